@@ -1,0 +1,253 @@
+"""The speedrun GPT: one file, torch + stdlib only (the organizers import it alone).
+
+    ckpt = torch.load("checkpoint.pt", weights_only=True)
+    model = get_model(ckpt["config"]); model.load_state_dict(ckpt["model"])
+    logits, loss = model(idx, targets)
+
+Every modded-nanogpt trick below is a few lines behind a config key, so benchmarks can ablate it.
+Nothing here depends on the training length: RoPE is computed for whatever T arrives.
+"""
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 32000
+    seq_len: int = 1024  # training length; only the "learned" position table is bounded by it
+    n_layer: int = 12
+    n_head: int = 6
+    n_embd: int = 768
+    mlp_ratio: int = 4
+    norm: str = "rms"  # "rms" (no gains, cheapest) or "layer" (starter-style baseline)
+    pos: str = "rope"  # "rope" (any length) or "learned" (starter-style, T <= seq_len)
+    rope_base: float = 10000.0
+    qk_norm: bool = True  # bounded attention logits: stable at the high LRs Muon wants
+    mlp_act: str = "relu2"  # "relu2" (sparse, better per FLOP in speedruns) or "gelu"
+    logit_softcap: float = 15.0  # 0 disables; tanh cap keeps early logits from exploding
+    value_embeds: bool = True  # token-indexed tables mixed into V of the first/last layers
+    x0_mix: bool = True  # every block sees the embedding again: a shortcut for token identity
+    resid_scale: bool = True  # learnable per-block residual scale
+    unet_skips: bool = True  # mirrored encoder->decoder skips with learnable weights
+    zero_init_proj: bool = True  # blocks start as identity, so depth adds no early noise
+    embed_norm: bool = True  # RMS-normalise the embedding so its scale is not a free knob
+    tie_embeddings: bool = False  # untied is better in speedruns; tied halves embedding params
+
+
+def rms_norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class Norm(nn.Module):
+    """RMSNorm without gains (modded-nanogpt) or LayerNorm (the starter's baseline)."""
+
+    def __init__(self, dim, kind):
+        super().__init__()
+        if kind not in ("rms", "layer"):
+            raise ValueError(f"config norm must be 'rms' or 'layer', got {kind!r}")
+        self.layer = nn.LayerNorm(dim) if kind == "layer" else None
+
+    def forward(self, x):
+        return self.layer(x) if self.layer is not None else rms_norm(x)
+
+
+class Rotary(nn.Module):
+    """RoPE tables built for the longest T seen so far and grown on demand: no length limit."""
+
+    def __init__(self, head_dim, base):
+        super().__init__()
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        self.cos = self.sin = None  # plain attributes: never in the state_dict
+
+    def forward(self, T, device):
+        if self.cos is None or self.cos.size(0) < T or self.cos.device != device:
+            length = max(T, 2 * self.cos.size(0) if self.cos is not None else T)
+            with torch.inference_mode(False):  # a cache first grown in an inference_mode eval must still train
+                t = torch.arange(length, device=device, dtype=torch.float32)
+                freqs = torch.outer(t, self.inv_freq.to(device))
+                self.cos, self.sin = freqs.cos(), freqs.sin()
+        return self.cos[:T], self.sin[:T]
+
+
+def apply_rotary(x, cos, sin):  # x: (B, H, T, D)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    y = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+    return y.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, has_value_embed):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.qk_norm = cfg.qk_norm
+        # separate q/k/v matrices so Muon orthogonalises each one on its own
+        self.c_q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.c_k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.c_v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        # v = a*v + b*ve; half-and-half start lets either side take over
+        self.ve_lambdas = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
+
+    def forward(self, x, ve, rope):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = rms_norm(q), rms_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if ve is not None:
+            ve = ve.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve.type_as(v)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.mlp_act not in ("relu2", "gelu"):
+            raise ValueError(f"config mlp_act must be 'relu2' or 'gelu', got {cfg.mlp_act!r}")
+        self.relu2 = cfg.mlp_act == "relu2"
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        h = self.c_fc(x)
+        h = F.relu(h).square() if self.relu2 else F.gelu(h)
+        return self.c_proj(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, has_value_embed):
+        super().__init__()
+        self.norm1, self.norm2 = Norm(cfg.n_embd, cfg.norm), Norm(cfg.n_embd, cfg.norm)
+        self.attn = Attention(cfg, has_value_embed)
+        self.mlp = MLP(cfg)
+        self.resid_lambda = nn.Parameter(torch.ones(())) if cfg.resid_scale else None
+        self.x0_lambda = nn.Parameter(torch.zeros(())) if cfg.x0_mix else None  # starts off
+
+    def forward(self, x, x0, ve, rope):
+        if self.resid_lambda is not None:
+            x = self.resid_lambda * x
+        if self.x0_lambda is not None:
+            x = x + self.x0_lambda * x0
+        x = x + self.attn(self.norm1(x), ve, rope)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+            raise ValueError(f"n_embd={cfg.n_embd} must split into n_head={cfg.n_head} heads of even size")
+        if cfg.pos not in ("rope", "learned"):
+            raise ValueError(f"config pos must be 'rope' or 'learned', got {cfg.pos!r}")
+        self.config = cfg
+        L, C = cfg.n_layer, cfg.n_embd
+        self.padded_vocab = 128 * math.ceil(cfg.vocab_size / 128)  # tensor-core friendly head
+        self.wte = nn.Embedding(self.padded_vocab, C)
+        self.wpe = nn.Embedding(cfg.seq_len, C) if cfg.pos == "learned" else None
+        self.rotary = Rotary(C // cfg.n_head, cfg.rope_base) if cfg.pos == "rope" else None
+        self.embed_norm = Norm(C, cfg.norm) if cfg.embed_norm else None
+        # value embeddings: table k feeds layer k and layer L-n_ve+k (modded-nanogpt uses 3 tables)
+        n_ve = min(3, L // 2) if cfg.value_embeds else 0
+        self.value_embeds = nn.ModuleList(nn.Embedding(self.padded_vocab, C) for _ in range(n_ve))
+        self.ve_index = [None] * L
+        for k in range(n_ve):
+            self.ve_index[k] = self.ve_index[L - n_ve + k] = k
+        self.blocks = nn.ModuleList(Block(cfg, self.ve_index[i] is not None) for i in range(L))
+        # U-Net: decoder layer L-1-k receives encoder layer k's output, weighted
+        self.n_skip = L // 2 if cfg.unet_skips else 0
+        self.skip_weights = nn.Parameter(torch.ones(self.n_skip)) if self.n_skip else None
+        self.norm_f = Norm(C, cfg.norm)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(C, self.padded_vocab, bias=False)
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self):
+        cfg = self.config
+        for block in self.blocks:
+            for m in block.modules():
+                if isinstance(m, nn.Linear):  # unit-RMS input -> O(0.5) output
+                    m.weight.normal_(0.0, 0.5 / math.sqrt(m.in_features))
+            if cfg.zero_init_proj:
+                block.attn.c_proj.weight.zero_()
+                block.mlp.c_proj.weight.zero_()
+        # the input embedding is normalised, so its scale only matters when it doubles as the head
+        self.wte.weight.normal_(0.0, 0.02 if cfg.tie_embeddings else 1.0)
+        if self.wpe is not None:
+            self.wpe.weight.normal_(0.0, 0.02)
+        for ve in self.value_embeds:
+            ve.weight.normal_(0.0, 0.5)  # the scale of v at init
+        if self.lm_head is not None:
+            if cfg.zero_init_proj:
+                self.lm_head.weight.zero_()  # initial loss is exactly ln(V)
+            else:
+                self.lm_head.weight.normal_(0.0, 0.02)
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        cfg = self.config
+        x = self.wte(idx)
+        if self.wpe is not None:
+            if T > cfg.seq_len:
+                raise ValueError(f"pos='learned' supports T <= seq_len={cfg.seq_len}, got T={T}")
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x0 = x
+        rope = self.rotary(T, idx.device) if self.rotary is not None else None
+        ves = [ve(idx) for ve in self.value_embeds]
+        L, skips = len(self.blocks), []
+        for i, block in enumerate(self.blocks):
+            if i >= L - self.n_skip:
+                x = x + self.skip_weights[L - 1 - i] * skips.pop()
+            ve = ves[self.ve_index[i]] if self.ve_index[i] is not None else None
+            x = block(x, x0, ve, rope)
+            if i < self.n_skip:
+                skips.append(x)
+        x = self.norm_f(x)
+        head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
+        logits = F.linear(x, head).float()
+        if cfg.logit_softcap > 0:
+            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())
+        return logits, loss
+
+    def num_params(self, non_embedding=False):
+        """All parameters, or those outside the lookup tables (wte/wpe/value embeddings).
+
+        A tied wte is counted as non-embedding: it is also the output matmul."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            tables = [ve.weight for ve in self.value_embeds]
+            tables += [self.wpe.weight] if self.wpe is not None else []
+            tables += [self.wte.weight] if self.lm_head is not None else []
+            n -= sum(t.numel() for t in tables)
+        return n
+
+    def flops_per_token(self, seq_len=None):
+        """Training FLOPs per token: 6 x matmul params (head included) + causal attention.
+
+        Causal attention does T/2 key positions on average: 2 matmuls x 2 flops x 3 (fwd+bwd) -> 6*L*C*T."""
+        cfg = self.config
+        T = seq_len or cfg.seq_len
+        return 6 * self.num_params(non_embedding=True) + 6 * cfg.n_layer * cfg.n_embd * T
+
+
+def model_config(config: dict) -> GPTConfig:
+    """GPTConfig from a plain dict: missing keys take the defaults, unknown keys are ignored."""
+    known = {f.name for f in fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in (config or {}).items() if k in known})
+
+
+def get_model(config: dict) -> GPT:
+    return GPT(model_config(config))

@@ -1,0 +1,287 @@
+"""model.py under the organizers' contract: get_model(config) -> forward(idx, targets) -> (logits, loss)."""
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from model import get_model  # noqa: E402
+
+# vocab 500 is not a multiple of 128, so the padded head is exercised too
+SMALL = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=500, seq_len=32)
+
+
+def build(**overrides):
+    torch.manual_seed(0)
+    return get_model({**SMALL, **overrides})
+
+
+def tokens(B, T, seed=1):
+    return torch.randint(0, SMALL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def logits_of(model, idx):
+    with torch.no_grad():
+        return model(idx)[0]
+
+
+# ---- the organizers' process: a folder holding model.py and nothing else from this repo ----
+
+TRAIN_AND_SAVE = """
+import json, sys, torch
+import model as model_file
+from model import get_model
+torch.set_num_threads(1)
+torch.manual_seed(0)
+out = {"model_file": model_file.__file__, "sys_path": sys.path}
+logits, _ = get_model({})(torch.randint(0, 32000, (1, 3)))
+out["default_shape"] = list(logits.shape)
+cfg = {**SMALL, "lr": 1, "foo": "bar"}
+model = get_model(cfg)
+opt = torch.optim.SGD(model.parameters(), lr=0.5)
+for _ in range(3):  # zero-initialised projections need a few steps before every weight moves
+    x = torch.randint(0, SMALL["vocab_size"], (2, SMALL["seq_len"] + 1))
+    loss = model(x[:, :-1], x[:, 1:])[1]
+    opt.zero_grad(); loss.backward(); opt.step()
+out["shapes"] = {T: list(model(torch.randint(0, SMALL["vocab_size"], (2, T)))[0].shape)
+                 for T in (1, 7, SMALL["seq_len"], 3 * SMALL["seq_len"])}
+out["attn_proj_trained"] = bool(model.blocks[0].attn.c_proj.weight.abs().sum() > 0)
+idx = torch.randint(0, SMALL["vocab_size"], (2, 3 * SMALL["seq_len"]))
+with torch.no_grad():
+    torch.save({"idx": idx, "logits": model(idx)[0]}, "reference.pt")
+torch.save({"model": model.state_dict(), "config": cfg}, "checkpoint.pt")
+print(json.dumps(out))
+"""
+
+ORGANIZER = """
+import torch
+from model import get_model
+torch.set_num_threads(1)
+ckpt = torch.load("checkpoint.pt", weights_only=True)
+model = get_model(ckpt["config"])
+model.load_state_dict(ckpt["model"])
+idx = torch.load("reference.pt", weights_only=True)["idx"]
+with torch.no_grad():
+    logits, loss = model(idx)
+torch.save(logits, "organizer_logits.pt")
+"""
+
+
+def run_alone(folder, code):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", f"SMALL = {SMALL!r}\n{code}"], cwd=folder, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_organizer_snippet_with_model_py_alone(tmp_path):
+    shutil.copy(ROOT / "model.py", tmp_path / "model.py")
+    out = json.loads(run_alone(tmp_path, TRAIN_AND_SAVE).splitlines()[-1])
+    assert Path(out["model_file"]).resolve().parent == tmp_path.resolve()
+    assert all(Path(p or ".").resolve() != ROOT for p in out["sys_path"] if p != "")
+
+    assert out["default_shape"][:2] == [1, 3] and out["default_shape"][2] >= 32000
+    for T, shape in out["shapes"].items():
+        assert shape[:2] == [2, int(T)] and shape[2] >= SMALL["vocab_size"]
+    assert out["attn_proj_trained"]
+
+    run_alone(tmp_path, ORGANIZER)  # a fresh process, as the organizers run it
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)["logits"]
+    assert reference.std() > 0
+    assert torch.equal(torch.load(tmp_path / "organizer_logits.pt", weights_only=True), reference)
+
+
+# ---- loss, dtypes, compile ----
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True}, {"zero_init_proj": False}])
+def test_loss_is_plain_mean_cross_entropy(overrides):
+    model = build(**overrides)
+    idx, targets = tokens(2, 16), tokens(2, 16, seed=2)
+    logits, loss = model(idx, targets)
+    V = logits.size(-1)
+    assert logits.shape == (2, 16, V) and V >= SMALL["vocab_size"]
+    assert logits.dtype == loss.dtype == torch.float32
+    assert torch.allclose(loss, F.cross_entropy(logits.float().view(-1, V), targets.view(-1)))
+    assert abs(loss.item() - math.log(V)) < 1.0
+    assert model(idx)[1] is None
+
+
+def test_bf16_autocast_is_finite_and_close_to_fp32():
+    model = build(zero_init_proj=False)  # so every block contributes to the output
+    idx, targets = tokens(2, SMALL["seq_len"]), tokens(2, SMALL["seq_len"], seed=2)
+    with torch.no_grad():
+        _, loss32 = model(idx, targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits16, loss16 = model(idx, targets)
+    assert torch.isfinite(logits16).all() and torch.isfinite(loss16)
+    assert abs(loss16.item() - loss32.item()) < 0.1
+
+
+def test_compiled_forward_matches_eager_and_state_dict_stays_plain(tmp_path):
+    cfg = dict(SMALL, n_layer=2, n_embd=32, n_head=2, zero_init_proj=False)
+    torch.manual_seed(0)
+    model = get_model(cfg)
+    idx = tokens(2, 16)
+    eager = logits_of(model, idx)  # first, so the RoPE cache is eager-built, as in a fresh process
+    compiled = torch.compile(model)
+    assert torch.allclose(logits_of(compiled, idx), eager, atol=1e-5, rtol=1e-4)
+
+    state = model.state_dict()
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in state)
+    torch.save({"model": state, "config": dataclasses.asdict(model.config)}, tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    fresh = get_model(ckpt["config"])
+    fresh.load_state_dict(ckpt["model"])  # strict: no missing or unexpected keys
+    assert torch.equal(logits_of(fresh, idx), eager)
+
+
+# ---- gradients and feature switches ----
+
+ALL_OFF = dict(qk_norm=False, value_embeds=False, x0_mix=False, resid_scale=False, unet_skips=False,
+               zero_init_proj=False, embed_norm=False, tie_embeddings=False, logit_softcap=0.0)
+
+
+@pytest.mark.parametrize("overrides", [{}, ALL_OFF, {"tie_embeddings": True},
+                                       {"pos": "learned", "norm": "layer", "mlp_act": "gelu"}])
+def test_every_parameter_gets_a_gradient(overrides):
+    model = build(**overrides)
+    model(tokens(2, 16), tokens(2, 16, seed=2))[1].backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert missing == []
+    if not model.config.zero_init_proj:  # with nothing zeroed, every tensor actually learns
+        assert all(p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def fill(suffix, value):
+    """Set every parameter whose name ends with suffix to value (broadcast)."""
+    def apply(model):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(suffix):
+                    p.copy_(torch.as_tensor(value).expand_as(p))
+    return apply
+
+
+def head_is_embedding(model):
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.wte.weight)
+
+
+# (key, value A, value B, make the feature visible in A, make A compute exactly what B computes)
+SWITCHES = [
+    ("qk_norm", True, False, None, None),
+    ("embed_norm", True, False, None, None),
+    ("mlp_act", "relu2", "gelu", None, None),
+    ("norm", "rms", "layer", None, None),
+    ("pos", "rope", "learned", None, None),
+    ("value_embeds", True, False, None, fill("ve_lambdas", [1.0, 0.0])),
+    ("x0_mix", True, False, fill("x0_lambda", 0.5), fill("x0_lambda", 0.0)),
+    ("resid_scale", True, False, fill("resid_lambda", 0.5), fill("resid_lambda", 1.0)),
+    ("unet_skips", True, False, None, fill("skip_weights", 0.0)),
+    ("tie_embeddings", False, True, None, head_is_embedding),
+]
+
+
+@pytest.mark.parametrize("key, a, b, make_visible, make_equivalent", SWITCHES, ids=[s[0] for s in SWITCHES])
+def test_each_switch_changes_the_computation(key, a, b, make_visible, make_equivalent):
+    model_a = build(zero_init_proj=False, **{key: a})
+    model_b = build(zero_init_proj=False, **{key: b})
+    if make_visible:
+        make_visible(model_a)
+    # B gets A's values wherever they share a parameter, so only the switch can tell them apart
+    state_a, state_b = model_a.state_dict(), model_b.state_dict()
+    shared = {k: v for k, v in state_a.items() if k in state_b and state_b[k].shape == v.shape}
+    assert set(shared) >= {"wte.weight", "blocks.0.attn.c_q.weight", "blocks.3.mlp.c_proj.weight"}
+    model_b.load_state_dict(shared, strict=False)
+
+    idx = tokens(2, 16)
+    out_a, out_b = logits_of(model_a, idx), logits_of(model_b, idx)
+    assert (out_a - out_b).abs().max() > 1e-3 * out_a.abs().max()
+    if make_equivalent:  # the switch's learnable knobs at their neutral values reproduce B exactly
+        make_equivalent(model_a)
+        assert torch.allclose(logits_of(model_a, idx), out_b, atol=1e-5, rtol=1e-5)
+
+
+def test_zero_init_proj_zeroes_the_output_projections_only():
+    zeroed, random = build(zero_init_proj=True), build(zero_init_proj=False)
+    assert zeroed.state_dict().keys() == random.state_dict().keys()
+    projections = [n for n, _ in zeroed.named_parameters() if n.endswith("c_proj.weight")] + ["lm_head.weight"]
+    for name, p in zeroed.named_parameters():
+        if p.dim() == 2:  # the matrices; scalars such as x0_lambda start at 0 by design
+            assert (p.abs().sum() == 0) == (name in projections), name
+    assert all(random.get_parameter(n).abs().sum() > 0 for n in projections)
+    idx = tokens(2, 16)
+    assert torch.equal(logits_of(zeroed, idx), torch.zeros_like(logits_of(zeroed, idx)))
+    assert logits_of(random, idx).abs().max() > 0
+
+
+def test_logit_softcap_bounds_the_logits():
+    capped, uncapped = build(logit_softcap=15.0), build(logit_softcap=0.0)
+    with torch.no_grad():
+        capped.lm_head.weight.normal_(0.0, 1.0)  # logits far beyond the cap
+    uncapped.load_state_dict(capped.state_dict())
+    idx = tokens(2, 16)
+    raw, soft = logits_of(uncapped, idx), logits_of(capped, idx)
+    assert raw.abs().max() > 30 and soft.abs().max() < 15
+    assert torch.allclose(soft, 15.0 * torch.tanh(raw / 15.0), atol=1e-5)
+
+
+# ---- lengths and errors ----
+
+def test_rope_grows_on_demand_and_stays_out_of_the_state_dict():
+    model = build()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.02)  # non-zero logits, so prefixes can be compared
+    long_idx = tokens(1, 5 * SMALL["seq_len"])
+    short = logits_of(model, long_idx[:, :8])
+    longer = logits_of(model, long_idx)  # T beyond both the previous T and seq_len
+    assert model.rotary.cos.size(0) >= long_idx.size(1)
+    assert torch.allclose(longer[:, :8], short, atol=1e-5)  # causal: a longer input leaves the prefix alone
+    assert set(model.state_dict()) == {n for n, _ in model.named_parameters()}
+
+
+def test_rope_cache_built_under_inference_mode_still_trains():
+    model = build()
+    with torch.inference_mode():  # e.g. a validation pass at a new, longer T
+        model(tokens(2, 2 * SMALL["seq_len"]))
+    model(tokens(2, SMALL["seq_len"]), tokens(2, SMALL["seq_len"], seed=2))[1].backward()
+
+
+def test_learned_positions_reject_long_inputs():
+    model = build(pos="learned")
+    model(tokens(1, SMALL["seq_len"]))
+    with pytest.raises(ValueError, match="seq_len"):
+        model(tokens(1, SMALL["seq_len"] + 1))
+
+
+@pytest.mark.parametrize("overrides, flag", [({"norm": "foo"}, "norm"), ({"pos": "alibi"}, "pos"),
+                                             ({"mlp_act": "swish"}, "mlp_act"), ({"n_head": 3}, "n_head")])
+def test_bad_config_raises_value_error_naming_the_key(overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        build(**overrides)
+
+
+# ---- accounting for train.py ----
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True}, {"pos": "learned"}])
+def test_param_counts_and_flops_per_token(overrides):
+    model = build(**overrides)
+    cfg = model.config
+    total = model.num_params()
+    assert total == sum(t.numel() for t in model.state_dict().values())
+    tables = ("value_embeds.", "wpe.") + (("wte.",) if not cfg.tie_embeddings else ())
+    lookup = sum(p.numel() for n, p in model.named_parameters() if n.startswith(tables))
+    assert model.num_params(non_embedding=True) == total - lookup < total
+    attention = 6 * cfg.n_layer * cfg.n_embd
+    assert model.flops_per_token() == 6 * model.num_params(non_embedding=True) + attention * cfg.seq_len
+    assert model.flops_per_token(256) == 6 * model.num_params(non_embedding=True) + attention * 256
