@@ -56,21 +56,17 @@ class Norm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE tables built for the longest T seen so far and grown on demand: no length limit."""
+    """RoPE tables for whatever T arrives, recomputed per call (T x head_dim/2: negligible). No cached state,
+    so torch.compile sees the same guards on every call and compiles once."""
 
     def __init__(self, head_dim, base):
         super().__init__()
-        self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
-        self.cos = self.sin = None  # plain attributes: never in the state_dict
+        self.head_dim, self.base = head_dim, base
 
     def forward(self, T, device):
-        if self.cos is None or self.cos.size(0) < T or self.cos.device != device:
-            length = max(T, 2 * self.cos.size(0) if self.cos is not None else T)
-            with torch.inference_mode(False):  # a cache first grown in an inference_mode eval must still train
-                t = torch.arange(length, device=device, dtype=torch.float32)
-                freqs = torch.outer(t, self.inv_freq.to(device))
-                self.cos, self.sin = freqs.cos(), freqs.sin()
-        return self.cos[:T], self.sin[:T]
+        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim)
+        freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+        return freqs.cos(), freqs.sin()
 
 
 def apply_rotary(x, cos, sin):  # x: (B, H, T, D)

@@ -1,0 +1,101 @@
+"""CPU speedrun: rank recipes side by side at equal wall-clock on real English text.
+
+    python bench/speedrun.py                         # every variant, 5 minutes each
+    python bench/speedrun.py --budget_min 2 --variants default,starter,adamw_only
+
+Each variant is one `train.py` run on the bench corpus (../shared/bench/setup.sh builds it), scored the way
+the organizers score: the saved checkpoint loaded through the contract by eval.py, mean loss on val.bin
+windows. One line per variant; a JSON file keeps every number.
+"""
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SHAPE = ["--n_layer", "4", "--n_embd", "128", "--n_head", "4", "--seq_len", "256", "--batch_size", "16"]
+STARTER = ("--pos learned --norm layer --mlp_act gelu --no-qk_norm --logit_softcap 0 --no-value_embeds --no-x0_mix "
+           "--no-resid_scale --no-unet_skips --no-zero_init_proj --no-embed_norm --tie_embeddings --optimizer adamw "
+           "--adamw_lr 6e-4 --embed_lr 6e-4 --head_lr 6e-4 --scalar_lr 6e-4 --schedule cosine --progress_by steps "
+           "--warmup_frac 0.02")  # warmup 100 of --max_steps 5000, cosine keyed to steps: the starter's recipe
+VARIANTS = {
+    "default": "",
+    "default_seed1": "--seed 1",
+    "starter": STARTER,
+    "adamw_only": "--optimizer adamw",
+    "cosine_by_steps": "--schedule cosine --progress_by steps --warmup_frac 0.02",
+    "decay_0.2": "--decay_frac 0.2",
+    "decay_0.6": "--decay_frac 0.6",
+    "no_qk_norm": "--no-qk_norm",
+    "no_value_embeds": "--no-value_embeds",
+    "no_x0_mix": "--no-x0_mix",
+    "no_resid_scale": "--no-resid_scale",
+    "no_unet_skips": "--no-unet_skips",
+    "no_zero_init_proj": "--no-zero_init_proj",
+    "no_embed_norm": "--no-embed_norm",
+    "no_softcap": "--logit_softcap 0",
+    "tied_embeddings": "--tie_embeddings",
+    "gelu": "--mlp_act gelu",
+}
+
+
+def run_variant(name, extra, args, out):
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    ckpt = folder / "checkpoint.pt"
+    cmd = [sys.executable, str(REPO / "train.py"), "--data_dir", args.corpus, "--val_file", f"{args.corpus}/val.bin",
+           "--checkpoint_path", str(ckpt), "--time_limit_min", str(args.budget_min), "--max_steps", "5000",
+           "--val_eval_tokens", "16384", *SHAPE, *extra.split()]
+    started = time.time()
+    train = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    (folder / "train.log").write_text(train.stdout + train.stderr)
+    if train.returncode != 0:
+        return {"name": name, "error": f"train.py exit {train.returncode}, see {folder / 'train.log'}"}
+    summary = json.loads((folder / "metrics.jsonl").read_text().strip().splitlines()[-1])
+    scored = subprocess.run([sys.executable, str(REPO / "eval.py"), str(ckpt), "--data", f"{args.corpus}/val.bin",
+                             "--max_tokens", str(args.eval_tokens), "--device", "cpu"], capture_output=True, text=True)
+    if scored.returncode != 0:
+        return {"name": name, "error": f"eval.py exit {scored.returncode}: {scored.stderr[-300:]}"}
+    result = json.loads(scored.stdout.strip().splitlines()[-1])
+    return {"name": name, "flags": extra, "val_loss": result["val_loss"], "steps": summary["steps"],
+            "ms_per_step": 1000 * summary["train_s"] / max(summary["steps"], 1), "tokens_per_s": summary["tokens_per_s"],
+            "final_lr_frac": summary["final_lr_frac"], "wall_s": round(time.time() - started, 1)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget_min", type=float, default=5.0, help="training budget of each variant")
+    parser.add_argument("--variants", default="all", help=f"comma list of: {', '.join(VARIANTS)}")
+    parser.add_argument("--corpus", default=os.environ.get("BENCH_CORPUS", str(REPO.parent / "bench_corpus")))
+    parser.add_argument("--out", default="runs/speedrun", help="checkpoints, logs and results.json go here")
+    parser.add_argument("--eval_tokens", type=int, default=262144, help="val.bin tokens scored per variant")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants: {', '.join(unknown)}")
+    if not pathlib.Path(args.corpus, "val.bin").is_file():
+        parser.error(f"no bench corpus at {args.corpus}: build it with ../shared/bench/setup.sh DIR, pass --corpus DIR")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{'variant':<18} {'val_loss':>8} {'vs default':>10} {'steps':>6} {'ms/step':>8} {'tok/s':>7} {'lr_end':>6}")
+    results, base = [], None
+    for name in names:
+        r = run_variant(name, VARIANTS[name], args, out)
+        results.append(r)
+        if "error" in r:
+            print(f"{name:<18} {r['error']}", flush=True)
+            continue
+        base = r["val_loss"] if name == "default" else base
+        delta = f"{r['val_loss'] - base:+.3f}" if base is not None else ""
+        print(f"{name:<18} {r['val_loss']:8.3f} {delta:>10} {r['steps']:6d} {r['ms_per_step']:8.1f} "
+              f"{r['tokens_per_s']:7d} {r['final_lr_frac']:6.3f}", flush=True)
+    (out / "results.json").write_text(json.dumps({"budget_min": args.budget_min, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

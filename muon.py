@@ -1,0 +1,214 @@
+"""Muon for the hidden matrices, AdamW for everything else, sharded across any number of ranks.
+
+Muon = SGD momentum whose update for each 2-D weight is replaced by (approximately) the nearest
+semi-orthogonal matrix, computed with a few Newton-Schulz iterations. Every direction of the update
+then moves at the same rate, which is what lets short speedruns take large steps on hidden layers.
+Embeddings, the output head and the 1-D gains stay on AdamW (see build_optimizers).
+
+Distributed contract (torch.distributed with world_size > 1, NCCL or gloo):
+- Gradients arrive already averaged over ranks: train.py all-reduces them once per optimizer step,
+  DDP-style, before calling step(). Muon never reduces gradients itself.
+- Every rank keeps the momentum buffer of every parameter (an elementwise update, cheap), so the
+  state_dict is identical on all ranks and rank 0's checkpoint is complete.
+- Only the Newton-Schulz work is sharded. Matrices are assigned to ranks deterministically,
+  largest first onto the least-loaded rank (any world size; a rank without a matrix still joins the
+  exchange). Each rank orthogonalises its share, same-shape matrices in one batched call, and a single
+  all_gather of a padded flat buffer hands every update to every rank. All ranks apply the same
+  gathered tensors, so parameters stay bit-identical. The exchange is bf16 on CUDA, float32 on CPU.
+- Without an initialised process group, or with world_size == 1, it is the plain single-process
+  optimizer (same code, no communication).
+"""
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Map G = U S V^T (last two dims; tall, wide, square or a batched stack) to about U V^T.
+
+    Quintic Newton-Schulz with modded-nanogpt's coefficients: they are tuned for a steep slope near
+    zero rather than convergence, so after 5 steps singular values land in roughly [0.7, 1.2], not at 1,
+    which Muon does not need. Computes in bf16 on CUDA and float32 on CPU (bf16 matmul is slow there);
+    returns G's shape in the compute dtype.
+    """
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.bfloat16() if G.is_cuda else G.float()
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT  # iterate on the wide side so the Gram matrix X X^T is the small one
+    # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1].
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.mT if tall else X
+
+
+def _newtonschulz_flops(shape: torch.Size) -> int:
+    """Flops of one Newton-Schulz iteration on a parameter of this shape (m <= n after orienting):
+    X X^T and B X cost 2 m^2 n each, A A costs 2 m^3."""
+    m, n = sorted(shape[-2:])
+    return shape[:-2].numel() * 2 * m * m * (2 * n + m)
+
+
+def _assign_to_ranks(costs: list[float], world_size: int) -> list[int]:
+    """Owner rank of each matrix: largest first onto the least-loaded rank, ties to the lower index,
+    so every rank derives the same assignment from the same parameter list."""
+    loads = [0.0] * world_size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        rank = min(range(world_size), key=loads.__getitem__)
+        owners[i] = rank
+        loads[rank] += costs[i]
+    return owners
+
+
+# all_gather_single is torch >= 2.13's name; older releases call it all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+
+
+class Muon(torch.optim.Optimizer):
+    """Momentum + Newton-Schulz orthogonalised updates for parameters with ndim >= 2.
+
+    The last two dims are the matrix (rows = out features); leading dims are a stack of matrices.
+    Per step, for each parameter p with gradient g (already averaged over ranks):
+        buf = lerp(buf, g, 1 - momentum);  u = lerp(g, buf, momentum) if nesterov else buf
+        p *= 1 - lr * weight_decay                                   (decoupled weight decay)
+        p -= lr * sqrt(max(1, rows / cols)) * NS(u)
+    The shape factor keeps the per-entry update size comparable for tall matrices. Every group also
+    stores "base_lr" (its lr at construction) for train.py's schedule, which rewrites "lr" and
+    "momentum" in place each step.
+    """
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if any(p.ndim < 2 for p in group["params"]):
+            raise ValueError("Muon only takes parameters with ndim >= 2; give gains, scalars and biases to AdamW")
+        group.setdefault("base_lr", group["lr"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        params, groups = [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])
+                params.append(p)
+                groups.append(group)
+        if not params:
+            return loss
+
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        owners = _assign_to_ranks([_newtonschulz_flops(p.shape) for p in params], world_size)
+
+        batches = defaultdict(list)  # same-shape matrices of this rank's share go through one batched call
+        for i in range(len(params)):
+            if owners[i] == rank:
+                batches[(params[i].shape, groups[i]["ns_steps"])].append(i)
+        ortho = {}
+        for (_, steps), idx in batches.items():
+            stacked = torch.stack([self._direction(params[i], groups[i]) for i in idx])
+            ortho.update(zip(idx, zeropower_via_newtonschulz(stacked, steps)))
+
+        if distributed:
+            ortho = self._exchange(params, owners, ortho, world_size, rank)
+
+        for i, (p, group) in enumerate(zip(params, groups)):
+            scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(ortho[i].view_as(p), alpha=-group["lr"] * scale)
+        return loss
+
+    def _direction(self, p, group):
+        """The momentum direction Newton-Schulz orthogonalises (Nesterov looks one step ahead)."""
+        buf = self.state[p]["momentum_buffer"]
+        return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    @staticmethod
+    def _exchange(params, owners, ortho, world_size, rank):
+        """all_gather every rank's orthogonalised share; returns the update of every parameter.
+
+        Each rank packs its share, in parameter order, into a flat buffer padded to the largest share,
+        so one equal-size collective (supported by NCCL and gloo) moves everything.
+        """
+        device = params[0].device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # = Newton-Schulz's compute dtype
+        shares = [[i for i in range(len(params)) if owners[i] == r] for r in range(world_size)]
+        sizes = [[params[i].numel() for i in share] for share in shares]
+        width = max(sum(s) for s in sizes)
+        send = torch.zeros(width, dtype=dtype, device=device)
+        if shares[rank]:
+            send[:sum(sizes[rank])] = torch.cat([ortho[i].flatten() for i in shares[rank]])
+        gathered = torch.empty(world_size * width, dtype=dtype, device=device)
+        _all_gather_single(gathered, send)  # flat output: gloo rejects the stacked (world, width) form
+        gathered = gathered.view(world_size, width)
+        updates = {}
+        for r, share in enumerate(shares):
+            updates.update(zip(share, gathered[r, :sum(sizes[r])].split(sizes[r])))
+        return updates
+
+
+def build_optimizers(model: nn.Module, *, muon_lr, embed_lr, head_lr, scalar_lr, muon_momentum=0.95,
+                     adam_betas=(0.8, 0.95), adam_eps=1e-10, weight_decay=0.0, use_muon=True,
+                     hidden_adamw_lr=3e-3) -> list[torch.optim.Optimizer]:
+    """Split model's trainable parameters into [Muon, AdamW]; every group has "name" and "base_lr".
+
+    use_muon=False gives [AdamW] alone, the hidden matrices in a group "hidden" (lr=hidden_adamw_lr):
+    the baseline that benchmarks compare Muon against.
+
+    Rule, first match wins, each parameter once (a tied weight counts once):
+      1. parameters of nn.Embedding modules      -> AdamW group "embed"  (lr=embed_lr)
+      2. names starting with "lm_head." (the     -> AdamW group "head"   (lr=head_lr)
+         untied output head)
+      3. every other parameter with ndim >= 2    -> Muon  group "muon"   (lr=muon_lr)
+      4. ndim < 2: gains, scalars, biases        -> AdamW group "scalar" (lr=scalar_lr, no weight decay)
+    Embedding rows and head rows are per-token vectors, not hidden linear maps, so orthogonalising
+    them is not what Muon is for. Empty AdamW groups are left out. AdamW is fused when all of its
+    parameters are on CUDA.
+    """
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    split = defaultdict(list)
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in embedding_params:
+            split["embed"].append(p)
+        elif name.startswith("lm_head."):
+            split["head"].append(p)
+        elif p.ndim >= 2:
+            split["muon"].append(p)
+        else:
+            split["scalar"].append(p)
+
+    if not use_muon:
+        split["hidden"] = split.pop("muon")
+    adam_groups = [dict(name=name, params=split[name], lr=lr, base_lr=lr, weight_decay=wd)
+                   for name, lr, wd in [("embed", embed_lr, weight_decay), ("head", head_lr, weight_decay),
+                                        ("hidden", hidden_adamw_lr, weight_decay), ("scalar", scalar_lr, 0.0)]
+                   if split[name]]
+    on_cuda = all(p.is_cuda for g in adam_groups for p in g["params"])
+    adamw = torch.optim.AdamW(adam_groups, betas=adam_betas, eps=adam_eps, weight_decay=0.0,
+                              fused=True if on_cuda else None)
+    if not use_muon:
+        return [adamw]
+    return [Muon([dict(name="muon", params=split["muon"])], lr=muon_lr, momentum=muon_momentum,
+                 weight_decay=weight_decay), adamw]

@@ -1,0 +1,449 @@
+"""Time-boxed GPT pretraining: one flat loop, keyed to the wall clock.
+
+    python train.py                                  # 1 process: CUDA if present, else CPU
+    torchrun --nproc_per_node=8 train.py --data_dir /home/data/
+    sbatch submit_slurm.sh                           # 4 nodes x 8 GPUs
+
+The schedule is a function of progress = max(elapsed / budget, step / max_steps), so whichever
+limit the launcher's flags make binding, warmup, stable and decay all happen and the last step
+runs at the floor LR. The clock starts right before the first forward pass (compile included).
+"""
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from model import GPTConfig, get_model
+from data import BatchLoader, load_token_data, val_batches
+from muon import build_optimizers
+from autosize import measure_matmul_rate, pick_shape, shape_config, device_memory
+
+
+@dataclass
+class Hyperparameters:
+    # --- the organizers' flag names, kept verbatim ---
+    data_dir: Optional[str] = None  # None: /home/data if it exists, else embedded synthetic data
+    checkpoint_path: str = "checkpoint.pt"
+    seq_len: int = 1024
+    vocab_size: Optional[int] = None  # None: 32000 for token files, 1024 for the synthetic data
+    n_layer: Optional[int] = None  # shape flags: None takes model.py's default
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    batch_size: int = 8  # sequences per device per micro-step (a memory knob)
+    grad_accum_steps: int = 1  # used only when batch_tokens == 0, else derived from it
+    max_steps: int = 1_000_000  # an upper limit, never a schedule knob
+    time_limit_min: float = 10.0  # the budget, from the first forward pass
+    # --- ours ---
+    model: str = "auto"  # auto: the ladder shape that fits budget x world x measured speed; or a ladder name
+    tokens_per_param: float = 20.0  # auto's rule: the largest shape that still sees this many tokens/param
+    auto_efficiency: float = -1.0  # fraction of the measured matmul rate a step reaches; -1: per device kind
+    batch_tokens: int = -1  # global tokens per optimizer step; -1: 524288 on CUDA, literal flags on CPU; 0: literal
+    metrics_path: Optional[str] = None  # default: metrics.jsonl beside the checkpoint
+    val_file: Optional[str] = None  # default: the tail of the last data file
+    val_tokens: int = 1_048_576  # the held-out range: the same tokens on every run
+    val_eval_tokens: int = -1  # how many of them to score; -1: all on CUDA, 65536 on CPU
+    val_every_min: float = 0.0  # periodic validation spends budget; the final one always runs
+    save_every_min: float = 2.5  # background checkpoints, so a crash still leaves a recent one
+    schedule: str = "wsd"  # wsd (warmup-stable-decay) | cosine (the starter's, for baselines)
+    progress_by: str = "clock"  # clock: max(elapsed/budget, step/max_steps) | steps: step/max_steps (starter)
+    warmup_frac: float = 0.0  # Muon needs no warmup; AdamW groups tolerate none at these LRs
+    decay_frac: float = 0.4  # WSD: linear decay over the last 40% of the budget
+    min_lr_frac: float = 0.0  # the floor the decay ends at
+    optimizer: str = "muon"  # muon: Muon for hidden matrices + AdamW | adamw: AdamW for everything
+    muon_lr: float = 0.05
+    adamw_lr: float = 3e-3  # hidden matrices' LR when --optimizer adamw
+    embed_lr: float = 0.6
+    head_lr: float = 0.008
+    scalar_lr: float = 0.04
+    weight_decay: float = 0.0
+    muon_momentum_start: float = 0.85  # warmed up: early gradients are noisy
+    muon_momentum: float = 0.95
+    momentum_warmup_frac: float = 0.15
+    doc_aligned: bool = False  # windows start at BOS tokens when the data marks documents
+    device: str = "auto"  # auto | cpu | cuda
+    compile: Optional[bool] = None  # None: on for CUDA, off for CPU
+    autocast: Optional[str] = None  # bf16 | none; None: bf16 on CUDA, none on CPU
+    peak_tflops: float = 0.0  # per device, for MFU; 0: look it up from the GPU name
+    seed: int = 0
+    log_every_s: float = 1.0  # host-sync cadence: clock check, loss read, stop decision
+
+
+AUTO_EFFICIENCY = {"cuda": 0.4, "cpu": 0.3}  # see BENCHMARKS.md; CUDA's is an assumption until measured
+PEAK_BF16_TFLOPS = {"B300": 2250, "B200": 2250, "H200": 989, "H100": 989, "A100": 312}
+
+
+def parse_args(argv=None):
+    """Flags generated from Hyperparameters, plus one per model.py switch (default: model.py's own)."""
+    # no prefix matching: an unknown --warmup must be ignored, not read as --warmup_frac
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    ours = {f.name for f in dataclasses.fields(Hyperparameters)}
+    switches = [f for f in dataclasses.fields(GPTConfig) if f.name not in ours]
+    for f in [*dataclasses.fields(Hyperparameters), *switches]:
+        default = f.default if f.name in ours else None
+        if f.type in (bool, Optional[bool]):
+            parser.add_argument(f"--{f.name}", default=default, action=argparse.BooleanOptionalAction)
+        else:
+            kind = {Optional[int]: int, Optional[str]: str, Optional[float]: float}.get(f.type, f.type)
+            parser.add_argument(f"--{f.name}", type=kind, default=default)
+    args, unknown = parser.parse_known_args(argv)
+    args = vars(args)
+    model_switches = {f.name: value for f in switches if (value := args.pop(f.name)) is not None}
+    return Hyperparameters(**args), model_switches, unknown
+
+
+# ----------------------------------------------------------------------------- schedule
+
+def schedule(progress, hp):
+    """(lr_frac, muon momentum) at progress in [0, 1]: warmup, stable, linear decay to the floor."""
+    p = min(max(progress, 0.0), 1.0)
+    if hp.warmup_frac > 0 and p < hp.warmup_frac:
+        lr_frac = p / hp.warmup_frac
+    elif hp.schedule == "cosine":
+        lr_frac = hp.min_lr_frac + (1.0 - hp.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * (p - hp.warmup_frac) / (1 - hp.warmup_frac)))
+    elif p < 1.0 - hp.decay_frac:
+        lr_frac = 1.0
+    else:
+        lr_frac = hp.min_lr_frac + (1.0 - hp.min_lr_frac) * (1.0 - p) / hp.decay_frac
+    warm = min(p / hp.momentum_warmup_frac, 1.0) if hp.momentum_warmup_frac > 0 else 1.0
+    momentum = hp.muon_momentum_start + warm * (hp.muon_momentum - hp.muon_momentum_start)
+    return min(lr_frac, 1.0), momentum
+
+
+# ----------------------------------------------------------------------------- setup helpers
+
+def setup_distributed(hp):
+    rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    if hp.device == "auto":
+        hp.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if hp.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was given but no CUDA device is visible")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return rank, world, device
+
+
+def choose_shape(hp, world, device, say):
+    """A ladder shape by name, or --model auto: measured speed x world x budget decides (autosize.py)."""
+    if hp.model != "auto":
+        return shape_config(hp.model)
+    rate = torch.tensor([measure_matmul_rate(device)], device=device)
+    if world > 1:  # every rank must build the same model
+        dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    if hp.auto_efficiency < 0:
+        hp.auto_efficiency = AUTO_EFFICIENCY[device.type]
+    name, table = pick_shape(matmul_rate=rate.item(), efficiency=hp.auto_efficiency, world_size=world,
+                             budget_s=hp.time_limit_min * 60, vocab_size=hp.vocab_size, seq_len=hp.seq_len,
+                             batch_size=hp.batch_size, memory_bytes=device_memory(device),
+                             bf16=hp.autocast == "bf16", tokens_per_param=hp.tokens_per_param)
+    say(f"model auto: matmul {rate.item() / 1e12:.3g} TFLOP/s x efficiency {hp.auto_efficiency} x {world} ranks x "
+        f"{hp.time_limit_min} min; want >= {hp.tokens_per_param} tokens/param")
+    for row in table:
+        say(f"  {'->' if row['name'] == name else '  '} {row['name']:>9}: {row['matmul_params'] / 1e6:8.1f}M params, "
+            f"{row['tokens'] / 1e6:10.1f}M tokens, {row['tokens_per_param']:8.1f} tokens/param"
+            f"{'' if row['fits'] else ', does not fit in memory'}")
+    hp.model = name
+    return shape_config(name)
+
+
+def check_writable(path, flag):
+    """Fail now, not after ten minutes of training, if the checkpoint cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = f"{path}.probe{os.getpid()}"
+        with open(probe, "wb") as fh:
+            fh.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--{flag} {path} is not writable: cannot write in {folder} ({e.strerror})") from None
+
+
+def save_checkpoint(state, path):
+    """Write to a temporary file and rename into place: never a half-written checkpoint."""
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    """Rank 0 snapshots to CPU and writes in a thread, so periodic saves cost one copy, not a disk write."""
+
+    def __init__(self, path):
+        self.path, self.thread = path, None
+
+    def save(self, model, meta, background):
+        self.wait()
+        state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}, **meta}
+        if background:
+            self.thread = threading.Thread(target=save_checkpoint, args=(state, self.path), daemon=True)
+            self.thread.start()
+        else:
+            save_checkpoint(state, self.path)
+
+    def wait(self):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+def peak_flops(hp, device):
+    if hp.peak_tflops > 0:
+        return hp.peak_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return 0.0
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, amp):
+    """Mean next-token loss over this rank's fixed validation windows, averaged over ranks."""
+    model.eval()
+    total, count = torch.zeros((), device=device), 0
+    for x, y in batches:
+        with amp:
+            _, loss = model(x.to(device), y.to(device))
+        total += loss.float() * y.numel()  # token-weighted: the last batch may be smaller
+        count += y.numel()
+    model.train()
+    stats = torch.stack([total, torch.tensor(float(count), device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(stats)
+    return (stats[0] / stats[1].clamp(min=1)).item()
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    hp, model_switches, unknown = parse_args(argv)
+    rank, world, device = setup_distributed(hp)
+    master = rank == 0
+    say = (lambda msg: print(msg, flush=True)) if master else (lambda msg: None)
+    if unknown:
+        say(f"ignoring unknown flags: {' '.join(unknown)}")
+    try:
+        run = setup(hp, model_switches, rank, world, device, say)
+    except (ValueError, FileNotFoundError) as e:  # user errors: one clear sentence, before the clock
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    train(hp, rank, world, device, say, **run)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def setup(hp, model_switches, rank, world, device, say):
+    """Everything a user can get wrong fails here, before the clock starts."""
+    if hp.data_dir is None and os.path.isdir("/home/data"):
+        hp.data_dir = "/home/data"
+    if hp.vocab_size is None:  # the synthetic chain uses ~1K ids; a 32K head would dominate a CPU run
+        hp.vocab_size = 32000 if hp.data_dir else 1024
+    data = load_token_data(hp.data_dir, hp.vocab_size, hp.seq_len, hp.val_tokens, hp.val_file)
+    say(f"data: {data.source}")
+    check_writable(hp.checkpoint_path, "checkpoint_path")
+    if hp.metrics_path is None:
+        hp.metrics_path = os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl")
+    check_writable(hp.metrics_path, "metrics_path")
+    if hp.batch_tokens < 0:
+        hp.batch_tokens = 524288 if device.type == "cuda" else 0
+    if hp.batch_tokens > 0:  # the recipe is global: world size only changes the accumulation
+        hp.grad_accum_steps = max(1, round(hp.batch_tokens / (world * hp.batch_size * hp.seq_len)))
+    if hp.val_eval_tokens < 0:
+        hp.val_eval_tokens = hp.val_tokens if device.type == "cuda" else 65536
+    if hp.compile is None:
+        hp.compile = device.type == "cuda"
+    if hp.autocast is None:
+        hp.autocast = "bf16" if device.type == "cuda" else "none"
+    if hp.autocast not in ("bf16", "none"):
+        raise ValueError(f"--autocast must be bf16 or none, got {hp.autocast!r}")
+    for flag, value, allowed in (("schedule", hp.schedule, ("wsd", "cosine")), ("optimizer", hp.optimizer, ("muon", "adamw")),
+                                 ("progress_by", hp.progress_by, ("clock", "steps"))):
+        if value not in allowed:
+            raise ValueError(f"--{flag} must be one of {', '.join(allowed)}, got {value!r}")
+    if hp.time_limit_min <= 0 or hp.max_steps <= 0:
+        raise ValueError("--time_limit_min and --max_steps must be positive")
+    if not 0.0 < hp.decay_frac <= 1.0:
+        raise ValueError(f"--decay_frac must be in (0, 1] so the last step runs at the floor LR, got {hp.decay_frac}")
+
+    torch.manual_seed(hp.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    shape = {k: getattr(hp, k) for k in ("n_layer", "n_head", "n_embd") if getattr(hp, k) is not None}
+    if not shape:  # explicit shape flags always win over --model
+        shape = choose_shape(hp, world, device, say)
+        hp.n_layer, hp.n_head, hp.n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
+    raw_model = get_model({"vocab_size": hp.vocab_size, "seq_len": hp.seq_len, **shape, **model_switches}).to(device)
+    optimizers = build_optimizers(raw_model, use_muon=hp.optimizer == "muon", hidden_adamw_lr=hp.adamw_lr, muon_lr=hp.muon_lr, embed_lr=hp.embed_lr, head_lr=hp.head_lr,
+                                  scalar_lr=hp.scalar_lr, muon_momentum=hp.muon_momentum_start,
+                                  weight_decay=hp.weight_decay)
+    model = torch.compile(raw_model) if hp.compile else raw_model
+    if world > 1:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    config = {**dataclasses.asdict(hp), **dataclasses.asdict(raw_model.config)}
+    if rank == 0:  # a valid checkpoint exists from the start, and the path is proven writable
+        save_checkpoint({"model": raw_model.state_dict(), "config": config, "step": 0, "tokens": 0}, hp.checkpoint_path)
+    loader = BatchLoader(data.train, hp.seq_len, hp.batch_size, rank, world, seed=hp.seed, device=device,
+                         doc_aligned=hp.doc_aligned, bos_id=data.bos_id)
+    val = val_batches(data.val, hp.seq_len, hp.batch_size, rank, world, max_tokens=hp.val_eval_tokens)
+    return dict(raw_model=raw_model, model=model, optimizers=optimizers, loader=loader, val=val, config=config)
+
+
+def train(hp, rank, world, device, say, raw_model, model, optimizers, loader, val, config):
+    master = rank == 0
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if hp.autocast == "bf16" else nullcontext()
+    step_tokens = world * hp.batch_size * hp.seq_len * hp.grad_accum_steps
+    flops_per_token = raw_model.flops_per_token(hp.seq_len)
+    peak = peak_flops(hp, device) * world
+    say(f"model: {raw_model.num_params() / 1e6:.1f}M params ({raw_model.num_params(True) / 1e6:.1f}M non-embedding), "
+        f"{flops_per_token / 1e9:.3f} GFLOPs/token | {world} x {device.type} | {step_tokens} tokens/step = "
+        f"{world} x {hp.batch_size} x {hp.seq_len} x {hp.grad_accum_steps} accum | compile {hp.compile} | "
+        f"autocast {hp.autocast} | budget {hp.time_limit_min} min, max_steps {hp.max_steps}")
+    checkpointer = Checkpointer(hp.checkpoint_path)
+    meta = lambda step: {"config": config, "step": step, "tokens": step * step_tokens}
+    metrics = open(hp.metrics_path, "w") if master else None
+
+    def emit(row):
+        if master:
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+
+    stop_signal = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_signal.append(signum))  # finish the step, save
+    signal.signal(signal.SIGINT, lambda signum, frame: stop_signal.append(signum))
+
+    budget = hp.time_limit_min * 60.0
+    bar = tqdm(total=round(budget), unit="s", disable=not master, dynamic_ncols=True, mininterval=1.0)
+    gc.collect()
+    gc.disable()  # a collection pause on one rank stalls all of them
+    loss_sum = torch.zeros((), device=device)
+    step, steps_since_sync, lr_frac, progress = 0, 0, 0.0, 0.0
+    last_step, next_sync = hp.max_steps - 1, 0  # last_step is replanned from the measured step time
+    step_time, compile_s = None, 0.0
+    sync_step, sync_elapsed, last_save, last_val = 0, 0.0, 0.0, 0.0
+    stop_reason = "max_steps"
+    t0 = time.perf_counter()  # the clock starts right before the first forward pass
+    while True:
+        if step >= next_sync or step > last_step:
+            # one collective per sync: the slowest rank's clock, any stop signal, the mean loss
+            stats = torch.tensor([time.perf_counter() - t0, float(bool(stop_signal))], device=device)
+            mean_loss = loss_sum / max(steps_since_sync, 1)
+            if world > 1:
+                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+                dist.all_reduce(mean_loss)
+                mean_loss /= world
+            elapsed, signalled = stats.tolist()
+            train_loss = mean_loss.item()
+            if step == 1:
+                compile_s = elapsed  # the first step carries compilation and warm-up
+            elif step > 1:
+                interval = (elapsed - sync_elapsed) / (step - sync_step)
+                step_time = interval if step_time is None else 0.5 * step_time + 0.5 * interval
+            if steps_since_sync:
+                if not math.isfinite(train_loss):
+                    say(f"stopping: non-finite training loss at step {step}; "
+                        f"{hp.checkpoint_path} keeps the last good weights")
+                    emit({"step": step, "elapsed_s": round(elapsed, 3), "error": "non-finite loss"})
+                    checkpointer.wait()
+                    sys.exit(1)
+                tok_s = steps_since_sync * step_tokens / max(elapsed - sync_elapsed, 1e-9)
+                row = {"step": step, "elapsed_s": round(elapsed, 3), "lr_frac": lr_frac, "train_loss": train_loss,
+                       "tokens": step * step_tokens, "tokens_per_s": round(tok_s)}
+                if peak:
+                    row["mfu"] = round(tok_s * flops_per_token / peak, 4)
+                emit(row)
+                bar.set_postfix(step=step, loss=f"{train_loss:.3f}", lr=f"{lr_frac:.2f}", tok_s=f"{tok_s:.3g}",
+                                **({"mfu": f"{row['mfu']:.1%}"} if peak else {}), refresh=False)
+                bar.update(min(round(elapsed), bar.total) - bar.n)
+            if signalled:
+                stop_reason = "signal"
+                break
+            if step >= hp.max_steps:
+                break
+            # plan the rest: only steps that finish inside the budget are started
+            per_step = step_time if step_time is not None else elapsed / max(step, 1)
+            if step > 0 and elapsed + per_step > budget:
+                stop_reason = "time_limit"
+                break
+            if step_time is not None:  # half a step of slack: a slow step must not skip the final decay
+                last_step = min(hp.max_steps - 1, step + int((budget - elapsed) / step_time - 0.5) - 1)
+                next_sync = step + max(1, min(int(hp.log_every_s / step_time), (last_step - step) // 2))
+            else:
+                next_sync = step + 1  # steps 0 and 1 measure compile time, then the steady step time
+            loss_sum.zero_()
+            steps_since_sync, sync_step, sync_elapsed = 0, step, elapsed
+            if master and hp.save_every_min > 0 and elapsed - last_save >= hp.save_every_min * 60:
+                checkpointer.save(raw_model, meta(step), background=True)
+                last_save = elapsed
+            if hp.val_every_min > 0 and elapsed - last_val >= hp.val_every_min * 60:
+                emit({"step": step, "elapsed_s": round(elapsed, 3), "val_loss": evaluate(raw_model, val, device, amp)})
+                last_val = elapsed
+        # progress at the end of this step: the clock's forecast or the step limit, whichever is ahead;
+        # it never goes back, so steps that still fit after the planned last one stay at the floor
+        forecast = sync_elapsed + (step - sync_step + 1) * (step_time or 0.0)
+        if hp.progress_by == "steps":  # the starter's way: blind to the clock, kept to measure what it costs
+            progress = (step + 1) / hp.max_steps
+        else:
+            progress = 1.0 if step >= last_step else max(progress, forecast / budget, (step + 1) / hp.max_steps)
+        lr_frac, momentum = schedule(progress, hp)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * lr_frac
+                if "momentum" in group:
+                    group["momentum"] = momentum
+        for micro in range(hp.grad_accum_steps):
+            x, y = next(loader)
+            # gradients are all-reduced once per optimizer step, on the last micro-step
+            sync_grads = world == 1 or micro == hp.grad_accum_steps - 1
+            with nullcontext() if sync_grads else model.no_sync():
+                with amp:
+                    _, loss = model(x, y)
+                (loss / hp.grad_accum_steps).backward()
+            loss_sum += loss.detach() / hp.grad_accum_steps
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        step += 1
+        steps_since_sync += 1
+    gc.enable()
+    bar.close()
+    loader.close()
+
+    # after the clock: save first, then validate (a slow eval can never cost the checkpoint)
+    train_s = time.perf_counter() - t0
+    if master:
+        checkpointer.save(raw_model, meta(step), background=False)
+    say(f"saved {hp.checkpoint_path} at step {step} ({stop_reason}) after {train_s:.1f}s")
+    val_loss = evaluate(raw_model, val, device, amp)
+    emit({"step": step, "elapsed_s": round(train_s, 3), "val_loss": val_loss})
+    summary = {"summary": True, "steps": step, "tokens": step * step_tokens, "train_s": round(train_s, 3),
+               "tokens_per_s": round(step * step_tokens / max(train_s, 1e-9)), "compile_s": round(compile_s, 3),
+               "final_lr_frac": lr_frac, "stop_reason": stop_reason, "val_loss": val_loss,
+               "params": raw_model.num_params(), "world_size": world}
+    emit(summary)
+    say(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
