@@ -178,6 +178,11 @@ def check_writable(path, flag):
         raise ValueError(f"--{flag} {path} is not writable: cannot write in {folder} ({e.strerror})") from None
 
 
+def cpu_state_dict(model):
+    """A CPU copy: loads on any machine without map_location, and training can go on while it is written."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
 def save_checkpoint(state, path):
     """Write to a temporary file and rename into place: never a half-written checkpoint."""
     tmp = f"{path}.tmp"
@@ -193,7 +198,7 @@ class Checkpointer:
 
     def save(self, model, meta, background):
         self.wait()
-        state = {"model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}, **meta}
+        state = {"model": cpu_state_dict(model), **meta}
         if background:
             self.thread = threading.Thread(target=save_checkpoint, args=(state, self.path), daemon=True)
             self.thread.start()
@@ -303,7 +308,7 @@ def setup(hp, model_switches, rank, world, device, say):
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     config = {**dataclasses.asdict(hp), **dataclasses.asdict(raw_model.config)}
     if rank == 0:  # a valid checkpoint exists from the start, and the path is proven writable
-        save_checkpoint({"model": raw_model.state_dict(), "config": config, "step": 0, "tokens": 0}, hp.checkpoint_path)
+        save_checkpoint({"model": cpu_state_dict(raw_model), "config": config, "step": 0, "tokens": 0}, hp.checkpoint_path)
     loader = BatchLoader(data.train, hp.seq_len, hp.batch_size, rank, world, seed=hp.seed, device=device,
                          doc_aligned=hp.doc_aligned, bos_id=data.bos_id)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, rank, world, max_tokens=hp.val_eval_tokens)
@@ -440,7 +445,8 @@ def train(hp, rank, world, device, say, raw_model, model, optimizers, loader, va
     summary = {"summary": True, "steps": step, "tokens": step * step_tokens, "train_s": round(train_s, 3),
                "tokens_per_s": round(step * step_tokens / max(train_s, 1e-9)), "compile_s": round(compile_s, 3),
                "final_lr_frac": lr_frac, "stop_reason": stop_reason, "val_loss": val_loss,
-               "params": raw_model.num_params(), "world_size": world}
+               "params": raw_model.num_params(), "world_size": world,
+               "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None}
     emit(summary)
     say(json.dumps(summary))
 

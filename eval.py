@@ -1,0 +1,217 @@
+"""Evaluate a checkpoint the way the organizers load it: validation loss, bits per token, optionally HellaSwag.
+
+    python eval.py checkpoint.pt --data /home/data/val.bin
+    python eval.py checkpoint.pt --data /home/data --hellaswag hellaswag_val.jsonl --tokenizer tokenizer.model
+
+Only model.py is imported, and the checkpoint is loaded with the organizers' snippet verbatim, so a checkpoint
+that loads here loads for them.
+
+Which tokens (raw little-endian uint16 files, as train.py reads):
+  --data FILE  the first --max_tokens tokens of FILE (e.g. val.bin).
+  --data DIR   DIR/val.bin if present (its first --max_tokens tokens), else the LAST --max_tokens tokens of the
+               last chunk_*.bin in name order: the range train.py holds out when --max_tokens equals its
+               --val_tokens (both default to 1,048,576).
+They are cut into disjoint windows of seq_len + 1 tokens from the start (the remainder is dropped, as in
+train.py's validation). The loss is the mean over every predicted token, in float32.
+
+HellaSwag (--hellaswag FILE.jsonl --tokenizer TOKENIZER.model, offline): each line has "ctx" (or "ctx_a" and
+"ctx_b"), "endings" and "label". The context is BOS + the tokenized context, each ending is tokenized on its
+own (SentencePiece's leading-space marker stands for the space between them), and an ending scores the sum of
+its tokens' log-probabilities given the context (acc) or their mean per token (acc_norm).
+"""
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from model import get_model
+
+
+def load_checkpoint(path):
+    if not pathlib.Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist.")
+    ckpt = torch.load(path, weights_only=True)
+    model = get_model(ckpt["config"])
+    model.load_state_dict(ckpt["model"])
+    return model, ckpt
+
+
+def read_tokens(path, max_tokens, tail=False):
+    """The first (or last) max_tokens tokens of a uint16 token file, as int64."""
+    n_bytes = path.stat().st_size
+    if n_bytes % 2:
+        raise ValueError(f"{path} has an odd size ({n_bytes} bytes), so it is not a file of uint16 tokens.")
+    count = min(max_tokens, n_bytes // 2)
+    offset = n_bytes - 2 * count if tail else 0
+    tokens = np.fromfile(path, dtype="<u2", count=count, offset=offset).astype(np.int64)
+    where = f"{'last' if tail else 'first'} {count:,} tokens of {path}"
+    return torch.from_numpy(tokens), where
+
+
+def eval_tokens(data, max_tokens):
+    """The evaluation tokens for --data (see the module docstring) and a description of where they came from."""
+    path = pathlib.Path(data)
+    if path.is_file():
+        return read_tokens(path, max_tokens)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--data {path} does not exist.")
+    if (path / "val.bin").is_file():
+        return read_tokens(path / "val.bin", max_tokens)
+    chunks = sorted(p for p in path.glob("chunk_*.bin") if p.is_file())
+    if not chunks:
+        raise FileNotFoundError(f"--data {path} holds neither val.bin nor chunk_*.bin token files.")
+    return read_tokens(chunks[-1], max_tokens, tail=True)
+
+
+def make_windows(tokens, seq_len, vocab_size):
+    """(n, seq_len + 1) disjoint windows from the start of tokens."""
+    window = seq_len + 1
+    if len(tokens) < window:
+        raise ValueError(f"--data gives {len(tokens)} tokens, fewer than one window of seq_len + 1 = {window}.")
+    if (top := int(tokens.max())) >= vocab_size:
+        raise ValueError(f"--data contains token id {top} >= the model's vocab_size {vocab_size}.")
+    return tokens[:len(tokens) // window * window].view(-1, window)
+
+
+@torch.no_grad()
+def mean_loss(model, windows, batch_size, device):
+    """Mean next-token loss over all predicted tokens of the windows, with the model's own loss."""
+    total, count = 0.0, 0
+    for batch in windows.split(batch_size):
+        batch = batch.to(device)
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        total += loss.item() * batch[:, 1:].numel()  # the model averages per batch; weight by tokens
+        count += batch[:, 1:].numel()
+    return total / count
+
+
+# ----------------------------------------------------------------------------- HellaSwag
+
+def load_hellaswag(path):
+    """[(context, endings, label)] from a HellaSwag .jsonl file."""
+    if not pathlib.Path(path).is_file():
+        raise FileNotFoundError(f"--hellaswag {path} does not exist.")
+    items = []
+    with open(path) as file:
+        for number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                context = row["ctx"] if "ctx" in row else f"{row['ctx_a']} {row['ctx_b']}".strip()
+                endings, label = [str(e) for e in row["endings"]], int(row["label"])
+            except (ValueError, KeyError, TypeError):
+                context, endings, label = "", [], -1
+            if not context or len(endings) < 2 or not 0 <= label < len(endings):
+                raise ValueError(f"--hellaswag {path} line {number} is not an example with a ctx (or ctx_a and "
+                                 f"ctx_b), 2+ endings and a label indexing them.")
+            items.append((context, endings, label))
+    if not items:
+        raise ValueError(f"--hellaswag {path} holds no examples.")
+    return items
+
+
+def load_tokenizer(path, vocab_size):
+    """A SentencePiece processor; the package is needed only here, so it is imported only here."""
+    try:
+        import sentencepiece
+    except ImportError:
+        raise ValueError("--hellaswag needs the sentencepiece package: pip install sentencepiece") from None
+    if not pathlib.Path(path).is_file():
+        raise FileNotFoundError(f"--tokenizer {path} does not exist.")
+    tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    if tokenizer.get_piece_size() > vocab_size:
+        raise ValueError(f"--tokenizer {path} has {tokenizer.get_piece_size()} pieces, more than the model's "
+                         f"vocab_size {vocab_size}.")
+    return tokenizer
+
+
+@torch.no_grad()
+def ending_logprobs(model, context, endings, device, max_len):
+    """[(sum of log p(token | everything before it), token count)] per ending, all endings in one batch.
+    context: token ids (at least one), endings: lists of token ids. Rows longer than max_len + 1 lose
+    context tokens from the left; rows are right-padded, which a causal model never sees."""
+    rows = [(context + ending)[-(max_len + 1):] for ending in endings]
+    if any(len(ending) == 0 or len(ending) >= len(row) for ending, row in zip(endings, rows)):
+        raise ValueError(f"every ending needs 1..{max_len} tokens after at least one context token.")
+    batch = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        batch[i, :len(row)] = torch.tensor(row)
+    logits, _ = model(batch[:, :-1].to(device))
+    logp = F.log_softmax(logits.float(), dim=-1).cpu()
+    scores = []
+    for i, (row, ending) in enumerate(zip(rows, endings)):
+        start = len(row) - len(ending)  # first ending token; predicted by the logits one position earlier
+        targets = torch.tensor(ending)
+        scores.append((logp[i, start - 1:len(row) - 1].gather(-1, targets[:, None]).sum().item(), len(ending)))
+    return scores
+
+
+def hellaswag(model, items, tokenizer, device, max_len):
+    """acc (highest total log-prob) and acc_norm (highest mean log-prob per token) over the items."""
+    bos = [tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else []  # training documents start with BOS
+    correct = correct_norm = 0
+    for context, endings, label in items:
+        scores = ending_logprobs(model, bos + tokenizer.encode(context), tokenizer.encode(endings), device, max_len)
+        correct += max(range(len(scores)), key=lambda i: scores[i][0]) == label
+        correct_norm += max(range(len(scores)), key=lambda i: scores[i][0] / scores[i][1]) == label
+    return {"hellaswag_acc": correct / len(items), "hellaswag_acc_norm": correct_norm / len(items),
+            "hellaswag_examples": len(items)}
+
+
+# ----------------------------------------------------------------------------- main
+
+def evaluate(args):
+    if args.hellaswag and not args.tokenizer:
+        raise ValueError("--hellaswag needs --tokenizer TOKENIZER.model to turn its text into token ids.")
+    model, ckpt = load_checkpoint(args.checkpoint)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} was given but no CUDA device is visible.")
+    model.to(device).eval()
+    vocab_size = model.config.vocab_size
+    seq_len = args.seq_len if args.seq_len is not None else ckpt["config"].get("seq_len", model.config.seq_len)
+    if seq_len < 1 or args.batch_size < 1 or args.max_tokens < 1:
+        raise ValueError("--seq_len, --batch_size and --max_tokens must be positive.")
+    tokens, where = eval_tokens(args.data, args.max_tokens)
+    windows = make_windows(tokens, seq_len, vocab_size)
+    loss = mean_loss(model, windows, args.batch_size, device)
+    result = {"checkpoint": str(args.checkpoint), "step": ckpt.get("step"), "params": model.num_params(),
+              "data": where, "seq_len": seq_len, "windows": len(windows), "tokens": windows[:, 1:].numel(),
+              "val_loss": loss, "bits_per_token": loss / math.log(2)}
+    print(f"checkpoint {args.checkpoint}: step {result['step']}, {result['params']:,} parameters, on {device}")
+    print(f"data: {where} -> {len(windows):,} windows of {seq_len} + 1 ({result['tokens']:,} predicted tokens)")
+    print(f"val loss {loss:.4f} nats/token = {result['bits_per_token']:.4f} bits/token")
+    if args.hellaswag:
+        tokenizer = load_tokenizer(args.tokenizer, vocab_size)
+        result.update(hellaswag(model, load_hellaswag(args.hellaswag), tokenizer, device, seq_len))
+        print(f"hellaswag: acc {result['hellaswag_acc']:.4f}, acc_norm {result['hellaswag_acc_norm']:.4f} "
+              f"over {result['hellaswag_examples']:,} examples")
+    print(json.dumps(result))
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a checkpoint.pt written by train.py")
+    parser.add_argument("--data", required=True, help="a uint16 token file, or a folder (see above)")
+    parser.add_argument("--seq_len", type=int, default=None, help="window length; default: the checkpoint's")
+    parser.add_argument("--batch_size", type=int, default=8, help="windows per forward pass")
+    parser.add_argument("--max_tokens", type=int, default=1 << 20, help="tokens read for the loss")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...; default: cuda if present")
+    parser.add_argument("--hellaswag", default=None, help="a HellaSwag .jsonl file")
+    parser.add_argument("--tokenizer", default=None, help="the SentencePiece .model file of the training data")
+    args = parser.parse_args(argv)
+    try:
+        return evaluate(args)
+    except (ValueError, FileNotFoundError) as e:  # user errors: one sentence, no traceback
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
