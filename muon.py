@@ -7,7 +7,8 @@ Embeddings, the output head and the 1-D gains stay on AdamW (see build_optimizer
 
 Distributed contract (torch.distributed with world_size > 1, NCCL or gloo):
 - Gradients arrive already averaged over ranks: train.py all-reduces them once per optimizer step,
-  DDP-style, before calling step(). Muon never reduces gradients itself.
+  DDP-style, before calling step(). Muon never reduces gradients itself. Every rank must therefore
+  see the same parameters holding a gradient, which the assignment below is derived from.
 - Every rank keeps the momentum buffer of every parameter (an elementwise update, cheap), so the
   state_dict is identical on all ranks and rank 0's checkpoint is complete.
 - Only the Newton-Schulz work is sharded. Matrices are assigned to ranks deterministically,

@@ -248,18 +248,36 @@ def main(argv=None):
     say = (lambda msg: print(msg, flush=True)) if master else (lambda msg: None)
     if unknown:
         say(f"ignoring unknown flags: {' '.join(unknown)}")
-    try:
-        run = setup(hp, model_switches, rank, world, device, say)
-    except (ValueError, FileNotFoundError) as e:  # user errors: one clear sentence, before the clock
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    try:  # user errors: one clear sentence, before the clock
+        data = check_inputs(hp, device, say)
+        error = None
+    except (ValueError, FileNotFoundError) as e:
+        data, error = None, f"error: {e}"
+    if world > 1:  # one rank's bad input (say, a node's staged data) stops every rank now, not at a hang
+        ok = torch.tensor([float(error is None)], device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if error is None and ok.item() == 0:
+            error = f"error: another rank's input checks failed (rank {rank} passed); see that rank's message"
+    if error is None:
+        try:  # model/optimizer errors are the same on every rank, so each can exit on its own
+            run = setup(hp, model_switches, data, rank, world, device, say)
+        except (ValueError, FileNotFoundError) as e:
+            error = f"error: {e}"
+    if error is not None:
+        print(error, file=sys.stderr, flush=True)
         sys.exit(2)
     train(hp, rank, world, device, say, **run)
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+        if device.type == "cpu":  # torch 2.13's gloo can abort in interpreter teardown (~10% of clean runs)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
-def setup(hp, model_switches, rank, world, device, say):
-    """Everything a user can get wrong fails here, before the clock starts."""
+def check_inputs(hp, device, say):
+    """Data, paths and flag values: everything a user can get wrong, checked locally (no collectives)."""
     if hp.data_dir is None and os.path.isdir("/home/data"):
         hp.data_dir = "/home/data"
     if hp.vocab_size is None:  # the synthetic chain uses ~1K ids; a 32K head would dominate a CPU run
@@ -270,10 +288,6 @@ def setup(hp, model_switches, rank, world, device, say):
     if hp.metrics_path is None:
         hp.metrics_path = os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl")
     check_writable(hp.metrics_path, "metrics_path")
-    if hp.batch_tokens < 0:
-        hp.batch_tokens = 524288 if device.type == "cuda" else 0
-    if hp.batch_tokens > 0:  # the recipe is global: world size only changes the accumulation
-        hp.grad_accum_steps = max(1, round(hp.batch_tokens / (world * hp.batch_size * hp.seq_len)))
     if hp.val_eval_tokens < 0:
         hp.val_eval_tokens = hp.val_tokens if device.type == "cuda" else 65536
     if hp.compile is None:
@@ -282,14 +296,24 @@ def setup(hp, model_switches, rank, world, device, say):
         hp.autocast = "bf16" if device.type == "cuda" else "none"
     if hp.autocast not in ("bf16", "none"):
         raise ValueError(f"--autocast must be bf16 or none, got {hp.autocast!r}")
-    for flag, value, allowed in (("schedule", hp.schedule, ("wsd", "cosine")), ("optimizer", hp.optimizer, ("muon", "adamw")),
-                                 ("progress_by", hp.progress_by, ("clock", "steps"))):
+    choices = {"schedule": ("wsd", "cosine"), "optimizer": ("muon", "adamw"), "progress_by": ("clock", "steps")}
+    for flag, allowed in choices.items():
+        value = getattr(hp, flag)
         if value not in allowed:
             raise ValueError(f"--{flag} must be one of {', '.join(allowed)}, got {value!r}")
     if hp.time_limit_min <= 0 or hp.max_steps <= 0:
         raise ValueError("--time_limit_min and --max_steps must be positive")
     if not 0.0 < hp.decay_frac <= 1.0:
         raise ValueError(f"--decay_frac must be in (0, 1] so the last step runs at the floor LR, got {hp.decay_frac}")
+    return data
+
+
+def setup(hp, model_switches, data, rank, world, device, say):
+    """Model, optimizers, loader and the step-0 checkpoint, still before the clock."""
+    if hp.batch_tokens < 0:
+        hp.batch_tokens = 524288 if device.type == "cuda" else 0
+    if hp.batch_tokens > 0:  # the recipe is global: world size only changes the accumulation
+        hp.grad_accum_steps = max(1, round(hp.batch_tokens / (world * hp.batch_size * hp.seq_len)))
 
     torch.manual_seed(hp.seed)
     if device.type == "cuda":
@@ -300,7 +324,8 @@ def setup(hp, model_switches, rank, world, device, say):
         shape = choose_shape(hp, world, device, say)
         hp.n_layer, hp.n_head, hp.n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
     raw_model = get_model({"vocab_size": hp.vocab_size, "seq_len": hp.seq_len, **shape, **model_switches}).to(device)
-    optimizers = build_optimizers(raw_model, use_muon=hp.optimizer == "muon", hidden_adamw_lr=hp.adamw_lr, muon_lr=hp.muon_lr, embed_lr=hp.embed_lr, head_lr=hp.head_lr,
+    optimizers = build_optimizers(raw_model, use_muon=hp.optimizer == "muon", hidden_adamw_lr=hp.adamw_lr,
+                                  muon_lr=hp.muon_lr, embed_lr=hp.embed_lr, head_lr=hp.head_lr,
                                   scalar_lr=hp.scalar_lr, muon_momentum=hp.muon_momentum_start,
                                   weight_decay=hp.weight_decay)
     model = torch.compile(raw_model) if hp.compile else raw_model
@@ -449,6 +474,8 @@ def train(hp, rank, world, device, say, raw_model, model, optimizers, loader, va
                "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None}
     emit(summary)
     say(json.dumps(summary))
+    if master:
+        metrics.close()
 
 
 if __name__ == "__main__":

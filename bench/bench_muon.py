@@ -1,10 +1,11 @@
 """Muon step time on the default model's hidden matrices: one process vs the per-rank share at world 2.
 
-Three numbers, all with the same threads per process:
-  single   one process runs Muon.step() over every matrix
-  share    one process times what each rank of world 2 computes (momentum for all, Newton-Schulz for
-           its share), without communication: the ideal per-rank cost
-  gloo     two real gloo processes run the sharded step, exchange included (skipped with --no-gloo)
+All with the same threads per process:
+  single    one process runs Muon.step() over every matrix
+  share     one process times what each rank of world 2 computes (momentum for all, Newton-Schulz for
+            its share), without communication: the ideal per-rank cost
+  gloo      two real gloo processes run the sharded step, exchange included (skipped with --no-gloo)
+  exchange  the all_gather of that step alone, on the same two processes
 Shapes come from model.py's get_model when it imports, else 12 layers of width 768 (q, k, v, out
 768x768; MLP 3072x768 and 768x3072).
 
@@ -93,6 +94,7 @@ def gloo_worker(rank, world_size, port, shapes, width, threads, warmup, steps, o
     if rank == 0:
         Path(out_path).write_text(json.dumps(seconds.tolist()))
     dist.destroy_process_group()
+    os._exit(0)  # torch 2.13 + gloo: interpreter teardown after destroy_process_group sometimes aborts
 
 
 def time_gloo(shapes, width, threads, warmup, steps, world_size=2):
@@ -102,7 +104,8 @@ def time_gloo(shapes, width, threads, warmup, steps, world_size=2):
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "seconds.json")
-        mp.spawn(gloo_worker, args=(world_size, port, shapes, width, threads, warmup, steps, out_path), nprocs=world_size)
+        mp.spawn(gloo_worker, args=(world_size, port, shapes, width, threads, warmup, steps, out_path),
+                 nprocs=world_size)
         return json.loads(Path(out_path).read_text())
 
 
@@ -118,28 +121,30 @@ def main():
     torch.set_num_threads(args.threads)
 
     shapes = matrix_shapes(n_layer)
+    numels = [torch.Size(s).numel() for s in shapes]
     costs = [_newtonschulz_flops(torch.Size(s)) for s in shapes]
     owners = _assign_to_ranks(costs, 2)
-    print(f"{len(shapes)} matrices, {sum(torch.Size(s).numel() for s in shapes) / 1e6:.1f}M params, "
-          f"{5 * sum(costs) / 1e9:.0f} GFLOP of Newton-Schulz per step, {args.threads} thread(s) per process, "
-          f"{steps} timed step(s) after 1 warm-up, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(f"{len(shapes)} matrices, {sum(numels) / 1e6:.1f}M params, {5 * sum(costs) / 1e9:.0f} GFLOP of "
+          f"Newton-Schulz a step; {args.threads} thread(s) a process, {steps} timed step(s) after 1 warm-up; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
     for rank in range(2):
         share = [i for i, owner in enumerate(owners) if owner == rank]
-        print(f"  world 2, rank {rank}: {len(share)} matrices, {sum(costs[i] for i in share) / sum(costs):.1%} of the "
-              f"Newton-Schulz flops")
+        print(f"  world 2, rank {rank} owns {len(share)} matrices, "
+              f"{sum(costs[i] for i in share) / sum(costs):.1%} of the Newton-Schulz flops")
 
     params = make_params(shapes)
     single = time_steps(Muon(params).step, 1, steps)
-    print(f"single process      Muon.step  {single * 1e3:9.1f} ms  ({5 * sum(costs) / single / 1e9:.0f} GFLOP/s)")
-    shares = [time_share(params, owners, rank, 1, steps) for rank in range(2)]
-    for rank, seconds in enumerate(shares):
-        print(f"world 2 share, rank {rank}  compute    {seconds * 1e3:9.1f} ms  ({single / seconds:.2f}x)")
+    print(f"single process Muon.step       {single * 1e3:9.1f} ms  ({5 * sum(costs) / single / 1e9:.0f} GFLOP/s)")
+    for rank in range(2):
+        seconds = time_share(params, owners, rank, 1, steps)
+        print(f"world 2 rank {rank} share, compute  {seconds * 1e3:9.1f} ms  ({single / seconds:.2f}x)")
     del params
     if not args.no_gloo:
-        width = max(sum(torch.Size(s).numel() for s, owner in zip(shapes, owners) if owner == rank) for rank in range(2))
+        width = max(sum(n for n, owner in zip(numels, owners) if owner == rank) for rank in range(2))
         seconds, exchange = time_gloo(shapes, width, args.threads, 1, steps)
-        print(f"world 2 gloo (slowest rank) step  {seconds * 1e3:9.1f} ms  ({single / seconds:.2f}x, exchange included)")
-        print(f"world 2 gloo exchange alone       {exchange * 1e3:9.1f} ms  (all_gather of {width / 1e6:.1f}M floats a rank)")
+        print(f"world 2 gloo step, slowest rank {seconds * 1e3:9.1f} ms  ({single / seconds:.2f}x, exchange included)")
+        print(f"world 2 gloo exchange alone     {exchange * 1e3:9.1f} ms  "
+              f"(all_gather of {width / 1e6:.1f}M floats a rank)")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 import datetime
 import io
 import math
+import os
 import socket
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import muon  # noqa: E402
-from muon import Muon, _assign_to_ranks, _newtonschulz_flops, build_optimizers, zeropower_via_newtonschulz  # noqa: E402,E501
+from muon import (Muon, _assign_to_ranks, _newtonschulz_flops, build_optimizers,  # noqa: E402
+                  zeropower_via_newtonschulz)
 
 torch.set_num_threads(1)  # CI has 2 cores and the gloo tests run several processes
 
@@ -51,7 +53,8 @@ def test_newtonschulz_singular_values_in_band_with_same_singular_vectors(G):
     assert O.shape == G.shape and O.dtype == torch.float32
     s = torch.linalg.svdvals(O)
     assert BAND[0] <= s.min().item() and s.max().item() <= BAND[1], (s.min().item(), s.max().item())
-    # O = U f(S) V^T shares G's singular vectors, so G^T O = V S f(S) V^T is symmetric positive semi-definite.
+    # O = U f(S) V^T shares G's singular vectors: G^T O = V S f(S) V^T (or G O^T = U S f(S) U^T for wide G)
+    # is symmetric positive semi-definite. A wrong transpose or a scrambled basis breaks this.
     GtO = G.mT @ O if G.size(-2) >= G.size(-1) else G @ O.mT
     torch.testing.assert_close(GtO, GtO.mT, rtol=1e-3, atol=1e-3 * GtO.abs().max().item())
     assert torch.linalg.eigvalsh(0.5 * (GtO + GtO.mT)).min() > -1e-3 * GtO.abs().max()
@@ -133,6 +136,9 @@ def gloo_worker(rank, world_size, port, cases):
             assert len(opt.state_dict()["state"]) == n_matrices
     finally:
         dist.destroy_process_group()
+    # torch 2.13 + gloo: interpreter teardown after destroy_process_group sometimes aborts ("terminate called
+    # without an active exception", ~10% of 2-rank runs); once every check has passed, skip the teardown.
+    os._exit(0)
 
 
 def free_port():
