@@ -416,8 +416,10 @@ def train(hp, rank, world, device, say, raw_model, model, optimizers, loader, va
             if step > 0 and elapsed + per_step > budget:
                 stop_reason = "time_limit"
                 break
-            if step_time is not None:  # half a step of slack: a slow step must not skip the final decay
-                last_step = min(hp.max_steps - 1, step + int((budget - elapsed) / step_time - 0.5) - 1)
+            if step_time is not None:  # plan pessimistically, with a step of slack: a slow step must not
+                # skip the final decay; steps that still fit after the planned last one run at the floor
+                slow = max(step_time, interval)
+                last_step = min(hp.max_steps - 1, step + int((budget - elapsed) / slow - 1.0) - 1)
                 next_sync = step + max(1, min(int(hp.log_every_s / step_time), (last_step - step) // 2))
             else:
                 next_sync = step + 1  # steps 0 and 1 measure compile time, then the steady step time
