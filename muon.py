@@ -170,16 +170,18 @@ class Muon(torch.optim.Optimizer):
 
 def build_optimizers(model: nn.Module, *, muon_lr, embed_lr, head_lr, scalar_lr, muon_momentum=0.95,
                      adam_betas=(0.8, 0.95), adam_eps=1e-10, weight_decay=0.0, use_muon=True,
-                     hidden_adamw_lr=3e-3) -> list[torch.optim.Optimizer]:
+                     hidden_adamw_lr=3e-3, tied_head=None) -> list[torch.optim.Optimizer]:
     """Split model's trainable parameters into [Muon, AdamW]; every group has "name" and "base_lr".
 
+    tied_head: an embedding weight that is also the output head (tied embeddings) goes to "head": at
+    the embedding LR the logits blow up.
     use_muon=False gives [AdamW] alone, the hidden matrices in a group "hidden" (lr=hidden_adamw_lr):
     the baseline that benchmarks compare Muon against.
 
     Rule, first match wins, each parameter once (a tied weight counts once):
-      1. parameters of nn.Embedding modules      -> AdamW group "embed"  (lr=embed_lr)
-      2. names starting with "lm_head." (the     -> AdamW group "head"   (lr=head_lr)
-         untied output head)
+      1. tied_head, and names starting with      -> AdamW group "head"   (lr=head_lr)
+         "lm_head." (the untied output head)
+      2. parameters of nn.Embedding modules      -> AdamW group "embed"  (lr=embed_lr)
       3. every other parameter with ndim >= 2    -> Muon  group "muon"   (lr=muon_lr)
       4. ndim < 2: gains, scalars, biases        -> AdamW group "scalar" (lr=scalar_lr, no weight decay)
     Embedding rows and head rows are per-token vectors, not hidden linear maps, so orthogonalising
@@ -191,10 +193,10 @@ def build_optimizers(model: nn.Module, *, muon_lr, embed_lr, head_lr, scalar_lr,
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if id(p) in embedding_params:
-            split["embed"].append(p)
-        elif name.startswith("lm_head."):
+        if p is tied_head or name.startswith("lm_head."):
             split["head"].append(p)
+        elif id(p) in embedding_params:
+            split["embed"].append(p)
         elif p.ndim >= 2:
             split["muon"].append(p)
         else:

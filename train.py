@@ -327,7 +327,8 @@ def setup(hp, model_switches, data, rank, world, device, say):
     optimizers = build_optimizers(raw_model, use_muon=hp.optimizer == "muon", hidden_adamw_lr=hp.adamw_lr,
                                   muon_lr=hp.muon_lr, embed_lr=hp.embed_lr, head_lr=hp.head_lr,
                                   scalar_lr=hp.scalar_lr, muon_momentum=hp.muon_momentum_start,
-                                  weight_decay=hp.weight_decay)
+                                  weight_decay=hp.weight_decay,
+                                  tied_head=raw_model.wte.weight if raw_model.config.tie_embeddings else None)
     model = torch.compile(raw_model) if hp.compile else raw_model
     if world > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)

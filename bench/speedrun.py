@@ -2,6 +2,7 @@
 
     python bench/speedrun.py                         # every variant, 5 minutes each
     python bench/speedrun.py --budget_min 2 --variants default,starter,adamw_only
+    python bench/speedrun.py --budget_min 2 --ladder l2w64,l4w128,l6w256,l8w384   # shapes vs --model auto
 
 Each variant is one `train.py` run on the bench corpus (../shared/bench/setup.sh builds it), scored the way
 the organizers score: the saved checkpoint loaded through the contract by eval.py, mean loss on val.bin
@@ -16,7 +17,8 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SHAPE = ["--n_layer", "4", "--n_embd", "128", "--n_head", "4", "--seq_len", "256", "--batch_size", "8"]
+WINDOW = ["--seq_len", "256", "--batch_size", "8"]
+SHAPE = ["--n_layer", "4", "--n_embd", "128", "--n_head", "4", *WINDOW]
 STARTER = ("--pos learned --norm layer --mlp_act gelu --no-qk_norm --logit_softcap 0 --no-value_embeds --no-x0_mix "
            "--no-resid_scale --no-unet_skips --no-zero_init_proj --no-embed_norm --tie_embeddings --optimizer adamw "
            "--adamw_lr 6e-4 --embed_lr 6e-4 --head_lr 6e-4 --scalar_lr 6e-4 --schedule cosine --progress_by steps "
@@ -42,13 +44,13 @@ VARIANTS = {
 }
 
 
-def run_variant(name, extra, args, out):
+def run_variant(name, extra, args, out, shape=SHAPE):
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
     ckpt = folder / "checkpoint.pt"
     cmd = [sys.executable, str(REPO / "train.py"), "--data_dir", args.corpus, "--val_file", f"{args.corpus}/val.bin",
            "--checkpoint_path", str(ckpt), "--time_limit_min", str(args.budget_min), "--max_steps", "5000",
-           "--val_eval_tokens", "16384", *SHAPE, *extra.split()]
+           "--val_eval_tokens", "16384", *shape, *extra.split()]
     started = time.time()
     train = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     (folder / "train.log").write_text(train.stdout + train.stderr)
@@ -60,7 +62,9 @@ def run_variant(name, extra, args, out):
     if scored.returncode != 0:
         return {"name": name, "error": f"eval.py exit {scored.returncode}: {scored.stderr[-300:]}"}
     result = json.loads(scored.stdout.strip().splitlines()[-1])
-    return {"name": name, "flags": extra, "val_loss": result["val_loss"], "steps": summary["steps"],
+    picked = [line.split()[1] for line in train.stdout.splitlines() if line.strip().startswith("->")]
+    return {"name": name + (f"->{picked[0]}" if picked else ""), "flags": extra, "val_loss": result["val_loss"],
+            "steps": summary["steps"],
             "ms_per_step": 1000 * summary["train_s"] / max(summary["steps"], 1), "tokens_per_s": summary["tokens_per_s"],
             "final_lr_frac": summary["final_lr_frac"], "wall_s": round(time.time() - started, 1)}
 
@@ -72,27 +76,32 @@ def main():
     parser.add_argument("--corpus", default=os.environ.get("BENCH_CORPUS", str(REPO.parent / "bench_corpus")))
     parser.add_argument("--out", default="runs/speedrun", help="checkpoints, logs and results.json go here")
     parser.add_argument("--eval_tokens", type=int, default=32768, help="val.bin tokens scored per variant")
+    parser.add_argument("--ladder", default="", help="instead of recipe variants: these ladder shapes + --model auto")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadiest on a shared box)")
     args = parser.parse_args()
-    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
+    variants, shape = VARIANTS, SHAPE
+    if args.ladder:  # each ladder shape by name, then the one --model auto picks for this machine and budget
+        variants = {name: f"--model {name}" for name in args.ladder.split(",")} | {"auto": "--model auto"}
+        shape, args.variants = WINDOW, "all"
+    names = list(variants) if args.variants == "all" else args.variants.split(",")
+    unknown = [n for n in names if n not in variants]
     if unknown:
         parser.error(f"unknown variants: {', '.join(unknown)}")
     if not pathlib.Path(args.corpus, "val.bin").is_file():
         parser.error(f"no bench corpus at {args.corpus}: build it with ../shared/bench/setup.sh DIR, pass --corpus DIR")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{'variant':<18} {'val_loss':>8} {'vs default':>10} {'steps':>6} {'ms/step':>8} {'tok/s':>7} {'lr_end':>6}")
+    print(f"{'variant':<18} {'val_loss':>8} {'vs first':>10} {'steps':>6} {'ms/step':>8} {'tok/s':>7} {'lr_end':>6}")
     results, base = [], None
     for name in names:
-        r = run_variant(name, VARIANTS[name], args, out)
+        r = run_variant(name, variants[name], args, out, shape)
         results.append(r)
         if "error" in r:
             print(f"{name:<18} {r['error']}", flush=True)
             continue
-        base = r["val_loss"] if name == "default" else base
+        base = r["val_loss"] if base is None else base
         delta = f"{r['val_loss'] - base:+.3f}" if base is not None else ""
-        print(f"{name:<18} {r['val_loss']:8.3f} {delta:>10} {r['steps']:6d} {r['ms_per_step']:8.1f} "
+        print(f"{r['name']:<18} {r['val_loss']:8.3f} {delta:>10} {r['steps']:6d} {r['ms_per_step']:8.1f} "
               f"{r['tokens_per_s']:7d} {r['final_lr_frac']:6.3f}", flush=True)
     (out / "results.json").write_text(json.dumps({"budget_min": args.budget_min, "results": results}, indent=1))
 

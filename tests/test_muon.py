@@ -314,3 +314,23 @@ def test_build_optimizers_tied_head_counts_once_and_empty_groups_are_left_out():
     assert [len(g["params"]) for g in adamw.param_groups] == [1, 4]
     assert adamw.param_groups[0]["params"][0] is model.wte.weight
     assert len(muon.param_groups[0]["params"]) == 3
+
+
+def test_build_optimizers_tied_head_takes_the_head_lr_when_named():
+    model = SplitNet(tied=True)
+    _, adamw = build_optimizers(model, muon_lr=0.02, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04,
+                                tied_head=model.wte.weight)
+    groups = {g["name"]: g for g in adamw.param_groups}
+    assert set(groups) == {"head", "scalar"}
+    assert groups["head"]["params"] == [model.wte.weight] and groups["head"]["lr"] == 0.008
+
+
+def test_build_optimizers_adamw_only_puts_hidden_matrices_in_their_own_group():
+    model = SplitNet()
+    optimizers = build_optimizers(model, muon_lr=0.02, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04,
+                                  use_muon=False, hidden_adamw_lr=3e-3)
+    assert len(optimizers) == 1 and isinstance(optimizers[0], torch.optim.AdamW)
+    groups = {g["name"]: g for g in optimizers[0].param_groups}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in groups["hidden"]["params"]) == ["fc.weight", "proj.weight", "stack"]
+    assert groups["hidden"]["lr"] == groups["hidden"]["base_lr"] == 3e-3
