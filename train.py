@@ -82,7 +82,7 @@ class Hyperparameters:
     log_every_s: float = 1.0  # host-sync cadence: clock check, loss read, stop decision
 
 
-AUTO_EFFICIENCY = {"cuda": 0.4, "cpu": 0.3}  # see BENCHMARKS.md; CUDA's is an assumption until measured
+AUTO_EFFICIENCY = {"cuda": 0.4, "cpu": 0.2}  # CPU measured 0.15-0.28 (BENCHMARKS.md); CUDA assumed until measured
 PEAK_BF16_TFLOPS = {"B300": 2250, "B200": 2250, "H200": 989, "H100": 989, "A100": 312}
 
 

@@ -62,7 +62,7 @@ def run_variant(name, extra, args, out, shape=SHAPE):
     if scored.returncode != 0:
         return {"name": name, "error": f"eval.py exit {scored.returncode}: {scored.stderr[-300:]}"}
     result = json.loads(scored.stdout.strip().splitlines()[-1])
-    picked = [line.split()[1] for line in train.stdout.splitlines() if line.strip().startswith("->")]
+    picked = [line.split()[1].rstrip(":") for line in train.stdout.splitlines() if line.strip().startswith("->")]
     return {"name": name + (f"->{picked[0]}" if picked else ""), "flags": extra, "val_loss": result["val_loss"],
             "steps": summary["steps"],
             "ms_per_step": 1000 * summary["train_s"] / max(summary["steps"], 1), "tokens_per_s": summary["tokens_per_s"],
