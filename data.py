@@ -20,7 +20,7 @@ import torch
 BOS_ID = 1  # document start in Llama/Mistral-style 32K vocabularies
 BOS_RATE_RANGE = (1e-5, 0.05)  # id 1 once per 20..100k tokens looks like document starts, not a common token
 SYNTH_TRAIN_TOKENS = 1 << 23  # embedded default data: ~8M training tokens, generated in well under a second
-SYNTH_STATES = 1024  # few enough that a 1M-param model on 2 CPU cores nears the floor in ~90 s (--vocab_size 2048)
+SYNTH_STATES = 1024  # few enough that a tiny model on 2 CPU cores nears the floor in ~2 minutes
 
 
 def find_token_files(data_dir):

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from model import GPTConfig, get_model
-from data import BatchLoader, load_token_data, val_batches
+from data import SYNTH_STATES, BatchLoader, load_token_data, val_batches
 from muon import build_optimizers
 from autosize import measure_matmul_rate, pick_shape, shape_config, device_memory
 
@@ -281,7 +281,7 @@ def check_inputs(hp, device, say):
     if hp.data_dir is None and os.path.isdir("/home/data"):
         hp.data_dir = "/home/data"
     if hp.vocab_size is None:  # the synthetic chain uses ~1K ids; a 32K head would dominate a CPU run
-        hp.vocab_size = 32000 if hp.data_dir else 1024
+        hp.vocab_size = 32000 if hp.data_dir else SYNTH_STATES
     data = load_token_data(hp.data_dir, hp.vocab_size, hp.seq_len, hp.val_tokens, hp.val_file)
     say(f"data: {data.source}")
     check_writable(hp.checkpoint_path, "checkpoint_path")

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import bundle  # noqa: E402
 import eval as eval_py  # noqa: E402
+from eval import load_checkpoint  # noqa: E402  (the organizers' snippet, verbatim)
 from data import write_synthetic  # noqa: E402
 from model import get_model  # noqa: E402
 
@@ -47,13 +48,6 @@ def run(args, cwd, blocked=()):
                           timeout=300)
     assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
-
-
-def organizer_load(path):
-    ckpt = torch.load(path, weights_only=True)
-    model = get_model(ckpt["config"])
-    model.load_state_dict(ckpt["model"])
-    return model, ckpt
 
 
 def metrics(path):
@@ -113,7 +107,7 @@ def test_bundled_train_runs_alone_with_organizer_flags_then_eval_py_scores_it(su
               cwd=submission, blocked=REPO_MODULES)
     summary = metrics(submission / "metrics.jsonl")[-1]
     assert summary["stop_reason"] == "time_limit" and summary["steps"] > 0, out
-    model, ckpt = organizer_load(submission / "checkpoint.pt")
+    model, ckpt = load_checkpoint(submission / "checkpoint.pt")
     assert ckpt["step"] == summary["steps"] and model.config.n_embd == 64
 
     # the organizers' view: a folder with model.py and eval.py only
@@ -139,8 +133,8 @@ def test_bundled_train_matches_repo_train_step_for_step(submission, token_dir, t
     run([REPO / "train.py", "--checkpoint_path", tmp_path / "repo" / "c.pt", *flags], cwd=tmp_path / "repo")
     run([submission / "train.py", "--checkpoint_path", tmp_path / "bundle" / "c.pt", *flags], cwd=submission,
         blocked=REPO_MODULES)
-    repo, _ = organizer_load(tmp_path / "repo" / "c.pt")
-    bundled, ckpt = organizer_load(tmp_path / "bundle" / "c.pt")
+    repo, _ = load_checkpoint(tmp_path / "repo" / "c.pt")
+    bundled, ckpt = load_checkpoint(tmp_path / "bundle" / "c.pt")
     assert ckpt["step"] == 4
     init = get_model(ckpt["config"]).state_dict()
     repo_state, bundled_state = repo.state_dict(), bundled.state_dict()
@@ -251,7 +245,7 @@ def random_checkpoint(tmp_path_factory):
 
 def direct_loss(path, tokens, seq_len):
     """The model's forward loss on all disjoint windows at once, computed without eval.py."""
-    model, _ = organizer_load(path)
+    model, _ = load_checkpoint(path)
     n = len(tokens) // (seq_len + 1)
     windows = torch.from_numpy(tokens[:n * (seq_len + 1)].astype(np.int64)).view(n, seq_len + 1)
     with torch.no_grad():

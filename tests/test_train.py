@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import train  # noqa: E402
-from model import get_model  # noqa: E402
+from eval import load_checkpoint  # noqa: E402  (the organizers' snippet, verbatim)
 
 TRAIN = ROOT / "train.py"
 VOCAB = 1024
@@ -82,14 +82,6 @@ def first_row(proc, path, timeout=120):
     raise AssertionError(f"no metrics row in {timeout} s")
 
 
-def load_checkpoint(path):
-    """The organizers' load path, in this process."""
-    ckpt = torch.load(path, weights_only=True)
-    model = get_model(ckpt["config"])
-    model.load_state_dict(ckpt["model"])
-    return ckpt, model
-
-
 def step_seconds(rows):
     """Median seconds per optimizer step between logged rows after step 2 (compile and warm-up excluded)."""
     rows = [r for r in rows if r["step"] >= 2]
@@ -120,7 +112,7 @@ def test_synthetic_default_learns_down_to_near_the_entropy_floor(tmp_path):
     assert val_rows[-1]["val_loss"] == summary["val_loss"]
     assert floor - 0.1 < summary["val_loss"] < floor + 1.0  # ln(V) is 5.2 nats above the floor
     assert rows[-1]["train_loss"] < floor + 1.0
-    ckpt, _ = load_checkpoint(tmp_path / "checkpoint.pt")
+    _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     assert ckpt["step"] == 400 and ckpt["tokens"] == summary["tokens"] == 400 * 8 * 32
 
 
@@ -295,7 +287,7 @@ def single_rank_runs(ddp_setup):
 
 def checkpoint_logits(folder):
     """The checkpoint's logits on fixed windows: parameters compared through what they compute."""
-    _, model = load_checkpoint(folder / "checkpoint.pt")
+    model, _ = load_checkpoint(folder / "checkpoint.pt")
     windows = data.synthetic_tokens(32 * SEQ, vocab_size=VOCAB, n_states=512, part=2).reshape(32, SEQ)
     with torch.no_grad():
         return model(torch.from_numpy(windows.astype(np.int64)))[0]
@@ -339,7 +331,7 @@ def test_signal_mid_run_finishes_the_step_saves_and_exits_0(tmp_path, token_dir,
     try:
         first_row(proc, tmp_path / "metrics.jsonl")
         # written before the clock started: a loadable checkpoint exists from the first step on
-        assert load_checkpoint(tmp_path / "checkpoint.pt")[0]["step"] == 0
+        assert load_checkpoint(tmp_path / "checkpoint.pt")[1]["step"] == 0
         time.sleep(0.5)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
@@ -349,7 +341,7 @@ def test_signal_mid_run_finishes_the_step_saves_and_exits_0(tmp_path, token_dir,
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["stop_reason"] == "signal" and summary["train_s"] < 120  # not the 10-minute budget
     assert math.isfinite(summary["val_loss"])
-    ckpt, _ = load_checkpoint(tmp_path / "checkpoint.pt")
+    _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     assert ckpt["step"] == summary["steps"] == rows[-1]["step"] > 0
     assert not (tmp_path / "checkpoint.pt.tmp").exists()
 
