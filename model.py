@@ -15,6 +15,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+class SoftCap(torch.autograd.Function):
+    """cap * tanh(z) over the (B, T, V) logits with one saved tensor and a two-pass backward. Eager autograd
+    keeps tanh's output and its scaled copy and allocates two full-size gradients; at CPU widths those passes
+    over the 32K-wide logits cost as much as the matmuls. Compiled, the same math fuses either way."""
+
+    @staticmethod
+    def forward(ctx, z, cap):
+        out = torch.tanh(z).mul_(cap)
+        ctx.save_for_backward(out)
+        ctx.cap = cap
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        # d(cap * tanh z)/dz = cap * (1 - tanh^2 z) = cap - out^2 / cap
+        return torch.addcmul(out.new_full((), ctx.cap), out, out, value=-1.0 / ctx.cap).mul_(grad), None
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 32000
@@ -213,7 +232,7 @@ class GPT(nn.Module):
         if cfg.logit_softcap > 0:
             # the 1/cap goes on the (V, C) weight, not the (B, T, V) logits: one pass fewer over the
             # largest tensor, which dominates eager (CPU) step time at small widths
-            logits = cfg.logit_softcap * torch.tanh(F.linear(x, head / cfg.logit_softcap).float())
+            logits = SoftCap.apply(F.linear(x, head / cfg.logit_softcap).float(), cfg.logit_softcap)
         else:
             logits = F.linear(x, head).float()
         loss = None

@@ -16,7 +16,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -30,7 +29,8 @@ from tqdm import tqdm
 from model import GPTConfig, get_model
 from data import SYNTH_STATES, BatchLoader, load_token_data, val_batches
 from muon import build_optimizers
-from autosize import measure_matmul_rate, pick_shape, shape_config, device_memory
+from autosize import choose_shape, peak_flops, shape_config
+from checkpoint import Checkpointer, check_writable, cpu_state_dict, save_checkpoint
 
 
 @dataclass
@@ -49,7 +49,8 @@ class Hyperparameters:
     time_limit_min: float = 10.0  # the budget, from the first forward pass
     # --- ours ---
     model: str = "auto"  # auto: the ladder shape that fits budget x world x measured speed; or a ladder name
-    tokens_per_param: float = 20.0  # auto's rule: the largest shape that still sees this many tokens/param
+    shape_flags: str = "win"  # win: --n_layer/--n_head/--n_embd override --model | ignore: --model decides
+    tokens_per_param: float = -1.0  # auto: the largest shape seeing this many tokens/block param; -1: per device
     auto_efficiency: float = -1.0  # fraction of the measured matmul rate a step reaches; -1: per device kind
     batch_tokens: int = -1  # global tokens per optimizer step; -1: 524288 on CUDA, literal flags on CPU; 0: literal
     metrics_path: Optional[str] = None  # default: metrics.jsonl beside the checkpoint
@@ -80,10 +81,6 @@ class Hyperparameters:
     peak_tflops: float = 0.0  # per device, for MFU; 0: look it up from the GPU name
     seed: int = 0
     log_every_s: float = 1.0  # host-sync cadence: clock check, loss read, stop decision
-
-
-AUTO_EFFICIENCY = {"cuda": 0.4, "cpu": 0.2}  # CPU measured 0.15-0.28 (BENCHMARKS.md); CUDA assumed until measured
-PEAK_BF16_TFLOPS = {"B300": 2250, "B200": 2250, "H200": 989, "H100": 989, "A100": 312}
 
 
 def parse_args(argv=None):
@@ -140,86 +137,6 @@ def setup_distributed(hp):
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     return rank, world, device
-
-
-def choose_shape(hp, world, device, say):
-    """A ladder shape by name, or --model auto: measured speed x world x budget decides (autosize.py)."""
-    if hp.model != "auto":
-        return shape_config(hp.model)
-    rate = torch.tensor([measure_matmul_rate(device)], device=device)
-    if world > 1:  # every rank must build the same model
-        dist.all_reduce(rate, op=dist.ReduceOp.MIN)
-    if hp.auto_efficiency < 0:
-        hp.auto_efficiency = AUTO_EFFICIENCY[device.type]
-    name, table = pick_shape(matmul_rate=rate.item(), efficiency=hp.auto_efficiency, world_size=world,
-                             budget_s=hp.time_limit_min * 60, vocab_size=hp.vocab_size, seq_len=hp.seq_len,
-                             batch_size=hp.batch_size, memory_bytes=device_memory(device),
-                             bf16=hp.autocast == "bf16", tokens_per_param=hp.tokens_per_param)
-    say(f"model auto: matmul {rate.item() / 1e12:.3g} TFLOP/s x efficiency {hp.auto_efficiency} x {world} ranks x "
-        f"{hp.time_limit_min} min; want >= {hp.tokens_per_param} tokens/param")
-    for row in table:
-        say(f"  {'->' if row['name'] == name else '  '} {row['name']:>9}: {row['matmul_params'] / 1e6:8.1f}M params, "
-            f"{row['tokens'] / 1e6:10.1f}M tokens, {row['tokens_per_param']:8.1f} tokens/param"
-            f"{'' if row['fits'] else ', does not fit in memory'}")
-    hp.model = name
-    return shape_config(name)
-
-
-def check_writable(path, flag):
-    """Fail now, not after ten minutes of training, if the checkpoint cannot be written."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-        probe = f"{path}.probe{os.getpid()}"
-        with open(probe, "wb") as fh:
-            fh.write(b"ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"--{flag} {path} is not writable: cannot write in {folder} ({e.strerror})") from None
-
-
-def cpu_state_dict(model):
-    """A CPU copy: loads on any machine without map_location, and training can go on while it is written."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
-def save_checkpoint(state, path):
-    """Write to a temporary file and rename into place: never a half-written checkpoint."""
-    tmp = f"{path}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-class Checkpointer:
-    """Rank 0 snapshots to CPU and writes in a thread, so periodic saves cost one copy, not a disk write."""
-
-    def __init__(self, path):
-        self.path, self.thread = path, None
-
-    def save(self, model, meta, background):
-        self.wait()
-        state = {"model": cpu_state_dict(model), **meta}
-        if background:
-            self.thread = threading.Thread(target=save_checkpoint, args=(state, self.path), daemon=True)
-            self.thread.start()
-        else:
-            save_checkpoint(state, self.path)
-
-    def wait(self):
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-
-
-def peak_flops(hp, device):
-    if hp.peak_tflops > 0:
-        return hp.peak_tflops * 1e12
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in PEAK_BF16_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
-    return 0.0
 
 
 @torch.no_grad()
@@ -296,7 +213,7 @@ def check_inputs(hp, device, say):
         hp.autocast = "bf16" if device.type == "cuda" else "none"
     if hp.autocast not in ("bf16", "none"):
         raise ValueError(f"--autocast must be bf16 or none, got {hp.autocast!r}")
-    choices = {"schedule": ("wsd", "cosine"), "optimizer": ("muon", "adamw"), "progress_by": ("clock", "steps")}
+    choices = {"shape_flags": ("win", "ignore"), "schedule": ("wsd", "cosine"), "optimizer": ("muon", "adamw"), "progress_by": ("clock", "steps")}
     for flag, allowed in choices.items():
         value = getattr(hp, flag)
         if value not in allowed:
@@ -320,8 +237,16 @@ def setup(hp, model_switches, data, rank, world, device, say):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     shape = {k: getattr(hp, k) for k in ("n_layer", "n_head", "n_embd") if getattr(hp, k) is not None}
-    if not shape:  # explicit shape flags always win over --model
-        shape = choose_shape(hp, world, device, say)
+    if shape and hp.shape_flags == "ignore":
+        say(f"ignoring shape flags {shape} (--shape_flags ignore): --model {hp.model} decides")
+        shape = {}
+    if not shape:  # explicit shape flags win over --model unless --shape_flags ignore
+        if hp.model == "auto":
+            hp.model, hp.auto_efficiency, hp.tokens_per_param = choose_shape(
+                device, world, budget_s=hp.time_limit_min * 60, vocab_size=hp.vocab_size, seq_len=hp.seq_len,
+                batch_size=hp.batch_size, bf16=hp.autocast == "bf16", efficiency=hp.auto_efficiency,
+                tokens_per_param=hp.tokens_per_param, say=say)
+        shape = shape_config(hp.model)
         hp.n_layer, hp.n_head, hp.n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
     raw_model = get_model({"vocab_size": hp.vocab_size, "seq_len": hp.seq_len, **shape, **model_switches}).to(device)
     optimizers = build_optimizers(raw_model, use_muon=hp.optimizer == "muon", hidden_adamw_lr=hp.adamw_lr,
@@ -346,7 +271,7 @@ def train(hp, rank, world, device, say, raw_model, model, optimizers, loader, va
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if hp.autocast == "bf16" else nullcontext()
     step_tokens = world * hp.batch_size * hp.seq_len * hp.grad_accum_steps
     flops_per_token = raw_model.flops_per_token(hp.seq_len)
-    peak = peak_flops(hp, device) * world
+    peak = (hp.peak_tflops * 1e12 if hp.peak_tflops > 0 else peak_flops(device)) * world
     say(f"model: {raw_model.num_params() / 1e6:.1f}M params ({raw_model.num_params(True) / 1e6:.1f}M non-embedding), "
         f"{flops_per_token / 1e9:.3f} GFLOPs/token | {world} x {device.type} | {step_tokens} tokens/step = "
         f"{world} x {hp.batch_size} x {hp.seq_len} x {hp.grad_accum_steps} accum | compile {hp.compile} | "

@@ -2,7 +2,7 @@
 
     python bench/speedrun.py                         # every variant, 5 minutes each
     python bench/speedrun.py --budget_min 2 --variants default,starter,adamw_only
-    python bench/speedrun.py --budget_min 2 --ladder l2w64,l4w128,l6w256,l8w384   # shapes vs --model auto
+    python bench/speedrun.py --budget_min 2 --ladder l2w64,l4w128,l6w256,l8w384,auto   # shapes vs --model auto
 
 Each variant is one `train.py` run on the bench corpus (../shared/bench/setup.sh builds it), scored the way
 the organizers score: the saved checkpoint loaded through the contract by eval.py, mean loss on val.bin
@@ -76,12 +76,12 @@ def main():
     parser.add_argument("--corpus", default=os.environ.get("BENCH_CORPUS", str(REPO.parent / "bench_corpus")))
     parser.add_argument("--out", default="runs/speedrun", help="checkpoints, logs and results.json go here")
     parser.add_argument("--eval_tokens", type=int, default=32768, help="val.bin tokens scored per variant")
-    parser.add_argument("--ladder", default="", help="instead of recipe variants: these ladder shapes + --model auto")
+    parser.add_argument("--ladder", default="", help="instead of recipe variants: these ladder shapes ('auto' too)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadiest on a shared box)")
     args = parser.parse_args()
     variants, shape = VARIANTS, SHAPE
-    if args.ladder:  # each ladder shape by name, then the one --model auto picks for this machine and budget
-        variants = {name: f"--model {name}" for name in args.ladder.split(",")} | {"auto": "--model auto"}
+    if args.ladder:  # each ladder shape by name; 'auto' is the one --model auto picks for this machine and budget
+        variants = {name: f"--model {name}" for name in args.ladder.split(",")}
         shape, args.variants = WINDOW, "all"
     names = list(variants) if args.variants == "all" else args.variants.split(",")
     unknown = [n for n in names if n not in variants]

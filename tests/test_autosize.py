@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from autosize import LADDER, memory_needed, measure_matmul_rate, pick_shape, shape_config, shape_costs
+from autosize import (AUTO_EFFICIENCY, LADDER, TOKENS_PER_PARAM, choose_shape, memory_needed, measure_matmul_rate,
+                      pick_shape, shape_config, shape_costs)
 from model import get_model
 
 COMMON = dict(efficiency=0.4, world_size=1, budget_s=600.0, vocab_size=32000, seq_len=1024, batch_size=8,
@@ -17,6 +18,7 @@ def test_ladder_grows_in_params_and_flops():
     costs = [shape_costs(n, 32000, 1024) for n in NAMES]
     for small, big in zip(costs, costs[1:]):
         assert small["matmul_params"] < big["matmul_params"]
+        assert small["block_params"] < big["block_params"]
         assert small["flops_per_token"] < big["flops_per_token"]
 
 
@@ -25,6 +27,13 @@ def test_costs_match_a_real_model():
     costs = shape_costs("l4w128", 512, 64)
     assert costs["params"] == real.num_params()
     assert costs["flops_per_token"] == real.flops_per_token()
+
+
+def test_block_params_are_the_blocks_weights():
+    for name in NAMES:
+        layers, width = shape_config(name)["n_layer"], shape_config(name)["n_embd"]
+        block = shape_costs(name, 32000, 1024)["block_params"]
+        assert 12 * layers * width ** 2 <= block < 1.01 * 12 * layers * width ** 2  # + per-block scalars
 
 
 def test_more_compute_never_picks_a_smaller_model():
@@ -72,3 +81,19 @@ def test_unknown_model_name_is_a_clear_error():
 def test_matmul_rate_is_measured():
     rate = measure_matmul_rate(torch.device("cpu"), seconds=0.05)
     assert 1e8 < rate < 1e14
+
+
+def test_choose_shape_uses_the_device_tables_and_logs_the_pick():
+    lines = []
+    name, efficiency, ratio = choose_shape(torch.device("cpu"), 1, budget_s=120.0, vocab_size=32000, seq_len=256,
+                                           batch_size=8, bf16=False, efficiency=-1.0, tokens_per_param=-1.0,
+                                           say=lines.append)
+    assert (efficiency, ratio) == (AUTO_EFFICIENCY["cpu"], TOKENS_PER_PARAM["cpu"])
+    assert name in NAMES
+    assert [line.split()[1].rstrip(":") for line in lines if line.strip().startswith("->")] == [name]
+    # explicit values win; a starved ratio admits the largest shape that fits the machine's memory
+    name, efficiency, ratio = choose_shape(torch.device("cpu"), 1, budget_s=120.0, vocab_size=32000, seq_len=256,
+                                           batch_size=8, bf16=False, efficiency=0.5, tokens_per_param=0.0,
+                                           say=lines.append)
+    assert (efficiency, ratio) == (0.5, 0.0)
+    assert NAMES.index(name) >= NAMES.index("l12w768")

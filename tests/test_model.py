@@ -236,6 +236,17 @@ def test_logit_softcap_bounds_the_logits():
     assert torch.allclose(soft, 15.0 * torch.tanh(raw / 15.0), atol=1e-5)
 
 
+def test_softcap_hand_written_backward_matches_autograd():
+    from model import SoftCap
+
+    z = (torch.randn(3, 5, 7, dtype=torch.float64) * 2).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: SoftCap.apply(t, 15.0), (z,))
+    grad = torch.randn(3, 5, 7, dtype=torch.float64)
+    (mine,) = torch.autograd.grad(SoftCap.apply(z, 15.0), z, grad)
+    (reference,) = torch.autograd.grad(15.0 * torch.tanh(z), z, grad)
+    assert torch.allclose(mine, reference)
+
+
 # ---- lengths and errors ----
 
 def test_rope_serves_any_length_and_stays_out_of_the_state_dict():

@@ -186,6 +186,27 @@ def test_unknown_flags_that_prefix_known_ones_are_ignored_too():
     assert parsed[-1] == ["--warmup", "100", "--save_every", "500", "--batch", "4"]
 
 
+def picked_shape(stdout):
+    """The ladder shape --model auto picked, from its '-> name' log row; None when auto did not run."""
+    auto = [line.split()[1].rstrip(":") for line in stdout.splitlines() if line.strip().startswith("->")]
+    return auto[0] if auto else None
+
+
+@pytest.mark.parametrize("shape_flags, auto_decides", [("win", False), ("ignore", True)])
+def test_shape_flags_win_over_auto_unless_told_to_be_ignored(tmp_path, token_dir, shape_flags, auto_decides):
+    args = ["--data_dir", str(token_dir), "--vocab_size", str(VOCAB), *TINY, "--max_steps", "2", *LONG_BUDGET,
+            "--shape_flags", shape_flags]
+    proc, _ = run_train(args, tmp_path)
+    _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    if auto_decides:
+        assert "ignoring shape flags" in proc.stdout and "model auto:" in proc.stdout
+        assert ckpt["config"]["model"] == picked_shape(proc.stdout) != "auto"
+        assert ckpt["config"]["tokens_per_param"] > 0  # the device table's value is recorded, not -1
+    else:
+        assert "model auto:" not in proc.stdout and picked_shape(proc.stdout) is None
+        assert (ckpt["config"]["n_layer"], ckpt["config"]["n_head"], ckpt["config"]["n_embd"]) == (2, 2, 64)
+
+
 # ----------------------------------------------------------------------------- 3, 4. torchrun and DDP
 
 SEQ = 16
@@ -239,7 +260,7 @@ def test_torchrun_two_ranks_trains_and_loads_with_model_py_alone(two_rank_run, t
     windows = data.synthetic_tokens(4 * (SEQ + 1), vocab_size=VOCAB, n_states=512, part=1).reshape(4, SEQ + 1)
     (tmp_path / "organizer.py").write_text(f"""
 import json, sys
-for name in ("train", "data", "muon", "autosize"):
+for name in ("train", "data", "muon", "autosize", "checkpoint"):
     sys.modules[name] = None
 import torch
 from model import get_model
