@@ -32,8 +32,8 @@ LADDER = [  # name, n_layer, n_head, n_embd: depth and width grow together, head
     ("l24w1536", 24, 12, 1536),
     ("l28w2048", 28, 16, 2048),
 ]
-# CPU: from the 2/5/10-minute ladder runs in BENCHMARKS.md (steps reach 0.15-0.28 of the matmul rate; the
-# winner l4w128 needs a ratio in (0.032, 0.10] at every budget: a model this starved is still learning unigram
+# CPU: from the 2/5/10-minute ladder runs in BENCHMARKS.md (steps reach 0.16-0.41 of the matmul rate; the
+# winner l4w128 needs a ratio in (0.031, 0.101] at every budget: a model this starved is still learning unigram
 # and bigram statistics, where more steps beat more capacity). CUDA: assumed, Chinchilla's 20 tokens/param
 # at 0.4 of the bf16 matmul rate, until a GPU ladder measures them.
 AUTO_EFFICIENCY = {"cuda": 0.4, "cpu": 0.2}
