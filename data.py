@@ -1,9 +1,11 @@
 """Token data for the speedrun trainer: folders of chunk_*.bin files, raw little-endian uint16 ids, no header.
-check_token_files catches bad data in seconds (it samples, never scans); load_token_data memmaps the files and holds
-out a validation range; BatchLoader builds rank-disjoint, block-shuffled batches in a background thread;
-synthetic_tokens is an embedded Markov source whose entropy rate (the best possible loss) is known exactly.
-CLI: python data.py check DIR | synth OUT_DIR --tokens N | bench DIR
+check_token_files catches bad data in seconds (it samples; `check --full` scans every token, off the clock);
+load_token_data memmaps the files and holds out a validation range; BatchLoader builds rank-disjoint, block-shuffled
+batches in a background thread and checks every token it reads; synthetic_tokens is an embedded Markov source whose
+entropy rate (the best possible loss) is known exactly.
+CLI: python data.py check DIR [--full] | synth OUT_DIR --tokens N | bench DIR
 """
+
 import argparse
 import dataclasses
 import itertools
@@ -13,6 +15,7 @@ import queue
 import sys
 import threading
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -21,14 +24,24 @@ BOS_ID = 1  # document start in Llama/Mistral-style 32K vocabularies
 BOS_RATE_RANGE = (1e-5, 0.05)  # id 1 once per 20..100k tokens looks like document starts, not a common token
 SYNTH_TRAIN_TOKENS = 1 << 23  # embedded default data: ~8M training tokens, generated in well under a second
 SYNTH_STATES = 1024  # few enough that a tiny model on 2 CPU cores nears the floor in ~2 minutes
+# Loader prefetch on CUDA, as a token budget. Event arithmetic: a B300 at ~40% of 2.25 PFLOP/s bf16 on a
+# ~1.5 GFLOP/token model trains ~600K tokens/s, so a 1 s storage stall on one rank is ~600K tokens, and one
+# stalled rank holds all 32 at the next all-reduce. 2M tokens (32 MiB of pinned int64 x and y) ride out ~3.5 s.
+PREFETCH_TOKENS = 1 << 21
 
 
 def find_token_files(data_dir):
-    """The folder's chunk_*.bin files in name order (the event files are zero-padded)."""
+    """The folder's chunk_*.bin files in name order (the event files are zero-padded). Anything by that name that
+    is not a readable file is an error, not skipped: a silently missing chunk changes the data."""
     folder = pathlib.Path(data_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"--data_dir {folder} does not exist or is not a folder.")
-    files = sorted(path for path in folder.glob("chunk_*.bin") if path.is_file())
+    files = sorted(folder.glob("chunk_*.bin"))
+    for path in files:
+        if path.is_symlink() and not path.exists():
+            raise FileNotFoundError(f"{path} is a broken symlink (to {path.readlink()}).")
+        if not path.is_file():
+            raise ValueError(f"{path} is {'a folder' if path.is_dir() else 'not a regular file'}, not a token file.")
     if not files:
         raise FileNotFoundError(f"--data_dir {folder} holds no chunk_*.bin token files.")
     return files
@@ -48,33 +61,78 @@ def _sample_file(path, n_tokens, sample_tokens, rng, n_slices=8):
     return np.concatenate(slices)
 
 
-def _summarise(n_files, n_tokens, sample):
-    bos_rate = float(np.count_nonzero(sample == BOS_ID) / len(sample))
-    return {"files": n_files, "tokens": n_tokens, "sampled_tokens": len(sample),
-            "min_id": int(sample.min()), "max_id": int(sample.max()), "bos_rate": bos_rate,
-            "has_bos": bool(BOS_RATE_RANGE[0] <= bos_rate <= BOS_RATE_RANGE[1])}
+def _file_chunks(path, chunk_tokens=1 << 24):
+    """Every token of a file, in 32 MiB reads."""
+    with open(path, "rb") as file:
+        while len(chunk := np.fromfile(file, dtype="<u2", count=chunk_tokens)):
+            yield chunk
 
 
-def check_token_files(files, vocab_size, seq_len, sample_tokens=1 << 18):
-    """Validate token files from their sizes and ~sample_tokens sampled tokens each; return a summary."""
+def _id_stats(chunks, vocab_size):
+    """Tokens seen, min and max id, BOS count, and the ids >= vocab_size: how many, the first one and its position
+    (counted over the chunks in order)."""
+    stats = {"seen": 0, "min": None, "max": 0, "bos": 0, "bad": 0, "first_bad": None}
+    for chunk in chunks:
+        low, high = int(chunk.min()), int(chunk.max())
+        stats["min"] = low if stats["min"] is None else min(stats["min"], low)
+        stats["max"] = max(stats["max"], high)
+        stats["bos"] += int(np.count_nonzero(chunk == BOS_ID))
+        if high >= vocab_size:
+            bad = np.flatnonzero(chunk >= vocab_size)
+            if stats["first_bad"] is None:
+                stats["first_bad"] = (int(chunk[bad[0]]), stats["seen"] + int(bad[0]))
+            stats["bad"] += len(bad)
+        stats["seen"] += len(chunk)
+    return stats
+
+
+def _summarise(n_files, n_tokens, file_stats):
+    seen = sum(stats["seen"] for stats in file_stats)
+    bos_rate = sum(stats["bos"] for stats in file_stats) / seen
+    return {
+        "files": n_files,
+        "tokens": n_tokens,
+        "checked_tokens": seen,
+        "min_id": min(stats["min"] for stats in file_stats),
+        "max_id": max(stats["max"] for stats in file_stats),
+        "bos_rate": bos_rate,
+        "has_bos": bool(BOS_RATE_RANGE[0] <= bos_rate <= BOS_RATE_RANGE[1]),
+    }
+
+
+def check_token_files(files, vocab_size, seq_len, sample_tokens=1 << 18, full=False):
+    """Validate token files from their sizes and ~sample_tokens sampled tokens each (every token if full); return a
+    summary. Sparse bad ids can pass the sample: BatchLoader checks every token it reads."""
     sizes = []
     for path in files:  # sizes first: cheap, so every file is checked before any is read
         n_bytes = pathlib.Path(path).stat().st_size
         if n_bytes % 2:
             raise ValueError(f"{path} has an odd size ({n_bytes} bytes), so it is not a file of uint16 tokens.")
         if n_bytes // 2 < seq_len + 1:
-            raise ValueError(f"{path} holds {n_bytes // 2} tokens, fewer than one window of seq_len + 1 = "
-                             f"{seq_len + 1}.")
+            raise ValueError(
+                f"{path} holds {n_bytes // 2} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}."
+            )
         sizes.append(n_bytes // 2)
     rng = np.random.default_rng(0)  # the same sample on every run
-    samples = []
+    file_stats, problems = [], []
     for path, n_tokens in zip(files, sizes):
-        sample = _sample_file(path, n_tokens, sample_tokens, rng)
-        if (top := int(sample.max())) >= vocab_size:
-            raise ValueError(f"{path} contains token id {top} >= --vocab_size {vocab_size} "
-                             f"(seen in a sample of {len(sample)} tokens).")
-        samples.append(sample)
-    return _summarise(len(files), sum(sizes), np.concatenate(samples))
+        chunks = _file_chunks(path) if full else [_sample_file(path, n_tokens, sample_tokens, rng)]
+        stats = _id_stats(chunks, vocab_size)
+        if stats["bad"] and full:
+            top, at = stats["first_bad"]
+            problems.append(
+                f"{path} holds {stats['bad']:,} token ids >= --vocab_size {vocab_size}, the first "
+                f"({top}) at token {at:,}"
+            )
+        elif stats["bad"]:
+            problems.append(
+                f"{path} contains token id {stats['max']} >= --vocab_size {vocab_size} (seen in a sample "
+                f"of {stats['seen']} tokens)"
+            )
+        file_stats.append(stats)
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+    return _summarise(len(files), sum(sizes), file_stats)
 
 
 @dataclasses.dataclass
@@ -105,14 +163,24 @@ def load_token_data(data_dir, vocab_size, seq_len, val_tokens, val_file=None):
     else:
         cut = len(train[-1]) - val_tokens
         if cut < seq_len + 1:
-            raise ValueError(f"{files[-1]} holds {len(train[-1])} tokens, too few for --val_tokens {val_tokens} plus "
-                             f"one training window; lower --val_tokens or pass --val_file.")
-        train[-1] = np.memmap(files[-1], dtype="<u2", mode="r", shape=(cut,))  # a new map, not a slice: see _file_map
+            raise ValueError(
+                f"{files[-1]} holds {len(train[-1])} tokens, too few for --val_tokens {val_tokens} plus "
+                f"one training window; lower --val_tokens or pass --val_file."
+            )
+        train[-1] = np.memmap(files[-1], dtype="<u2", mode="r", shape=(cut,))  # a new map, not a slice (_is_file_map)
         val = np.fromfile(files[-1], dtype="<u2", count=val_tokens, offset=2 * cut)
         where = f"last {val_tokens:,} tokens of {files[-1].name}"
+    if len(val) and (top := int(val.max())) >= vocab_size:  # in memory already: every validation token is checked
+        at = int(np.argmax(val >= vocab_size))
+        raise ValueError(
+            f"the validation tokens ({where}) hold ids >= --vocab_size {vocab_size} (up to {top}), the "
+            f"first at validation token {at:,}."
+        )
     bos_id = BOS_ID if summary["has_bos"] else None
-    source = (f"{len(files)} files in {data_dir}, {sum(map(len, train)):,} training tokens, validation = {where}, "
-              f"BOS {'id %d' % BOS_ID if bos_id else 'not detected'} (rate {summary['bos_rate']:.1e})")
+    source = (
+        f"{len(files)} files in {data_dir}, {sum(map(len, train)):,} training tokens, validation = {where}, "
+        f"BOS {f'id {BOS_ID}' if bos_id else 'not detected'} (rate {summary['bos_rate']:.1e})"
+    )
     return TokenData(train, val, summary, bos_id, source)
 
 
@@ -120,13 +188,15 @@ def _synthetic_data(vocab_size, seq_len, val_tokens):
     n_states = min(SYNTH_STATES, vocab_size - 2)  # so any --vocab_size above ~10 still runs
     tokens = synthetic_tokens(SYNTH_TRAIN_TOKENS + val_tokens, vocab_size, n_states=n_states)
     floor = synthetic_entropy_nats()
-    summary = {**_summarise(1, len(tokens), tokens), "entropy_floor_nats": floor}
-    source = (f"synthetic Markov chain ({n_states} states), {SYNTH_TRAIN_TOKENS:,} training + {val_tokens:,} "
-              f"validation tokens, best possible loss {floor:.4f} nats/token")
+    summary = {**_summarise(1, len(tokens), [_id_stats([tokens], vocab_size)]), "entropy_floor_nats": floor}
+    source = (
+        f"synthetic Markov chain ({n_states} states), {SYNTH_TRAIN_TOKENS:,} training + {val_tokens:,} "
+        f"validation tokens, best possible loss {floor:.4f} nats/token"
+    )
     return TokenData([tokens[:SYNTH_TRAIN_TOKENS]], tokens[SYNTH_TRAIN_TOKENS:], summary, BOS_ID, source)
 
 
-def _file_map(array):
+def _is_file_map(array):
     """True for an np.memmap made straight from a file, not sliced from one: only then do .filename and .offset
     say where its first token is."""
     return isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap)
@@ -159,18 +229,40 @@ class BatchLoader:
     rank's share is used up it starts the next epoch (a new shuffle) instead of stopping; .epoch tells which.
     Windows never straddle blocks. doc_aligned: each window starts at a bos_id token (greedy, disjoint; the
     tokens between a window's end and the next BOS are skipped), as in modded-nanogpt.
-    A daemon thread keeps `prefetch` batches ready (in pinned memory on CUDA, copied with non_blocking=True).
+    vocab_size: every block read is checked (a max over its tokens, cheap next to the read); a window holding an id
+    >= vocab_size is dropped and counted in .bad_windows (by the reading thread, so it runs ahead of the batches
+    served by up to the prefetch), and the first bad id is named once on stderr. The start-up check samples, so
+    sparse bad ids cost a few windows here instead of an IndexError mid-run.
+    A daemon thread keeps .depth batches ready: prefetch_tokens worth (default: PREFETCH_TOKENS on CUDA, where a
+    storage stall on one rank holds every rank; 2 batches elsewhere), in a fixed ring of host buffers, pinned on
+    CUDA and copied with non_blocking=True; each batch served is the caller's own tensor.
     """
 
-    def __init__(self, arrays, seq_len, batch_size, rank, world_size, seed=0, device="cpu",
-                 doc_aligned=False, bos_id=None, prefetch=2, block_windows=64):
+    def __init__(
+        self,
+        arrays,
+        seq_len,
+        batch_size,
+        rank,
+        world_size,
+        seed=0,
+        device="cpu",
+        doc_aligned=False,
+        bos_id=None,
+        vocab_size=None,
+        prefetch_tokens=None,
+        block_windows=64,
+    ):
+        # block_windows 64 = 131 KB per read at seq_len 1024: ~9 reads/s per rank at the event's ~600K tokens/s,
+        # a load NFS serves easily; the prefetch, not the read size, is what rides out a slow read
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}.")
         if doc_aligned and bos_id is None:
             raise ValueError("--doc_aligned needs BOS document markers, but none were detected in the data.")
         self.arrays, self.seq_len, self.batch_size = arrays, seq_len, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.doc_aligned, self.bos_id, self.epoch = doc_aligned, bos_id, 0
+        self.doc_aligned, self.bos_id, self.vocab_size, self.epoch = doc_aligned, bos_id, vocab_size, 0
+        self.bad_windows, self._warned = 0, False
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
         if self._pin and self.device.index is None:  # name the GPU: the loader thread must bind to it too
@@ -182,11 +274,22 @@ class BatchLoader:
         self._block_start = np.concatenate(starts)
         self._block_end = np.minimum(self._block_start + block, lengths[self._block_array])
         if len(self._block_start) < world_size:
-            raise ValueError(f"the training data holds {len(self._block_start)} blocks of up to {block} tokens, "
-                             f"fewer than the {world_size} ranks.")
+            raise ValueError(
+                f"the training data holds {len(self._block_start)} blocks of up to {block} tokens, "
+                f"fewer than the {world_size} ranks."
+            )
+        if prefetch_tokens is None:
+            prefetch_tokens = PREFETCH_TOKENS if self._pin else 0
+        self.depth = max(2, -(-prefetch_tokens // (batch_size * seq_len)))
+        # the queue holds depth slots, the thread fills one more and the caller copies out of one: with depth + 2
+        # slots a slot is refilled only after the caller took the next one, and on CUDA after its copy event
+        slots = self.depth + 2
+        with torch.cuda.device(self.device) if self._pin else nullcontext():  # one cudaHostAlloc, not one per batch
+            self._ring = torch.empty(slots, 2, batch_size, seq_len, dtype=torch.int64, pin_memory=self._pin)
+        self._copied = [torch.cuda.Event() for _ in range(slots)] if self._pin else None
         # file maps are read with one pread per block: far fewer round trips than page faults on NFS
-        self._files = [open(array.filename, "rb") if _file_map(array) else None for array in arrays]
-        self._queue = queue.Queue(maxsize=prefetch)
+        self._files = [open(array.filename, "rb") if _is_file_map(array) else None for array in arrays]
+        self._queue = queue.Queue(maxsize=self.depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name=f"batch-loader-{rank}", daemon=True)
         self._thread.start()
@@ -194,7 +297,7 @@ class BatchLoader:
     def _epoch_blocks(self, epoch):
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self._block_start))
         per_rank = len(order) // self.world_size
-        return order[:per_rank * self.world_size].reshape(per_rank, self.world_size)[:, self.rank]
+        return order[: per_rank * self.world_size].reshape(per_rank, self.world_size)[:, self.rank]
 
     def _read(self, index, start, end):
         array, file = self.arrays[index], self._files[index]
@@ -202,22 +305,49 @@ class BatchLoader:
             return np.array(array[start:end])
         tokens = np.empty(end - start, dtype=array.dtype)
         file.seek(array.offset + start * array.itemsize)
-        file.readinto(tokens)
+        if file.readinto(tokens) != tokens.nbytes:
+            raise ValueError(
+                f"{array.filename} ended before token {array.offset // array.itemsize + end:,}: it "
+                f"shrank after the start-up checks."
+            )
         return tokens
 
     def _block_windows(self, block):
-        """All windows of one block as a (k, seq_len + 1) uint16 array, from one contiguous read."""
-        start, end, window = int(self._block_start[block]), int(self._block_end[block]), self.seq_len + 1
+        """All usable windows of one block as a (k, seq_len + 1) uint16 array, from one contiguous read."""
+        index, window = self._block_array[block], self.seq_len + 1
+        start, end = int(self._block_start[block]), int(self._block_end[block])
         if not self.doc_aligned:
             end = start + (end - start) // window * window
-        tokens = self._read(self._block_array[block], start, end)
+        tokens = self._read(index, start, end)
         if not self.doc_aligned:
-            return tokens.reshape(-1, window)
-        offsets = _doc_window_starts(np.flatnonzero(tokens == self.bos_id), window, end - start)
-        return tokens[offsets[:, None] + np.arange(window)]
+            windows = tokens.reshape(-1, window)
+        else:
+            offsets = _doc_window_starts(np.flatnonzero(tokens == self.bos_id), window, end - start)
+            windows = tokens[offsets[:, None] + np.arange(window)]
+        if self.vocab_size is None or int(tokens.max()) < self.vocab_size:
+            return windows
+        keep = windows.max(axis=1, initial=0) < self.vocab_size
+        self.bad_windows += len(keep) - int(keep.sum())
+        if not self._warned:
+            self._warned = True
+            at, array = int(np.argmax(tokens >= self.vocab_size)), self.arrays[index]
+            where = (
+                f"{array.filename} at token {array.offset // array.itemsize + start + at:,}"
+                if _is_file_map(array)
+                else f"training array {index} at token {start + at:,}"
+            )
+            print(
+                f"warning: rank {self.rank}: {where} holds id {tokens[at]} >= vocab_size {self.vocab_size}; "
+                f"every window holding such an id is skipped and counted (said once).",
+                file=sys.stderr,
+                flush=True,
+            )
+        return windows[keep]
 
     def _batches(self):
-        rows = 0
+        """(epoch, ring slot) of each batch, filled on this thread."""
+        rows, slot = 0, -1
+        ring = self._ring.numpy()
         for epoch in itertools.count():
             found = False
             for block in self._epoch_blocks(epoch):
@@ -225,23 +355,32 @@ class BatchLoader:
                 found = found or len(windows) > 0
                 while len(windows):
                     if rows == 0:
-                        x, y = (torch.empty(self.batch_size, self.seq_len, dtype=torch.int64, pin_memory=self._pin)
-                                for _ in range(2))
+                        slot = (slot + 1) % len(ring)
+                        if self._pin:
+                            self._copied[slot].synchronize()  # the copy out of this slot's last batch is done
+                        x, y = ring[slot]
                     take = min(self.batch_size - rows, len(windows))
                     # numpy casts uint16 -> int64 on this thread alone; torch's copy_ would wake its
                     # intra-op thread pool, which then competes with the training process for cores
-                    x.numpy()[rows:rows + take] = windows[:take, :-1]
-                    y.numpy()[rows:rows + take] = windows[:take, 1:]
+                    x[rows : rows + take] = windows[:take, :-1]
+                    y[rows : rows + take] = windows[:take, 1:]
                     rows, windows = rows + take, windows[take:]
                     if rows == self.batch_size:
-                        yield epoch, x, y
+                        yield epoch, slot
                         rows = 0
+            if not found and self.bad_windows:
+                raise ValueError(
+                    f"every window of rank {self.rank}'s share of the data holds a token id >= "
+                    f"vocab_size {self.vocab_size}."
+                )
             if not found:
-                raise ValueError(f"no window of seq_len + 1 = {self.seq_len + 1} tokens starting at BOS id "
-                                 f"{self.bos_id} fits in the data; documents are too sparse for --doc_aligned.")
+                raise ValueError(
+                    f"no window of seq_len + 1 = {self.seq_len + 1} tokens starting at BOS id "
+                    f"{self.bos_id} fits in the data; documents are too sparse for --doc_aligned."
+                )
 
     def _produce(self):
-        if self._pin:  # else this thread's pinned allocations would open a CUDA context on cuda:0
+        if self._pin:  # else this thread's CUDA calls (event waits) would open a CUDA context on cuda:0
             torch.cuda.set_device(self.device)
         try:
             for item in self._batches():
@@ -269,9 +408,12 @@ class BatchLoader:
         if isinstance(item, Exception):
             self.close()
             raise item
-        self.epoch, x, y = item
-        if self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=self._pin), y.to(self.device, non_blocking=self._pin)
+        self.epoch, slot = item
+        x, y = self._ring[slot]  # copied out: the slot is refilled once the next batch is taken
+        x = x.to(self.device, non_blocking=self._pin, copy=True)
+        y = y.to(self.device, non_blocking=self._pin, copy=True)
+        if self._pin:
+            self._copied[slot].record(torch.cuda.current_stream(self.device))  # the stream the copies went on
         return x, y
 
     def close(self):
@@ -294,9 +436,11 @@ def val_batches(val, seq_len, batch_size, rank, world_size, max_tokens=None):
     tokens, window = val[:max_tokens], seq_len + 1
     per_rank = len(tokens) // window // world_size
     if per_rank == 0:
-        raise ValueError(f"the validation set has {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
-                         f"{window} per rank for {world_size} ranks; raise --val_tokens.")
-    mine = np.asarray(tokens[rank * per_rank * window:(rank + 1) * per_rank * window], dtype=np.int64)
+        raise ValueError(
+            f"the validation set has {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
+            f"{window} per rank for {world_size} ranks; raise --val_tokens."
+        )
+    mine = np.asarray(tokens[rank * per_rank * window : (rank + 1) * per_rank * window], dtype=np.int64)
     windows = torch.from_numpy(mine.reshape(per_rank, window))
     return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows.split(batch_size)]
 
@@ -319,13 +463,14 @@ def synthetic_entropy_nats(n_successors=8, doc_len=256):
     return float(-(p * np.log(p)).sum())
 
 
-def synthetic_tokens(n_tokens, vocab_size=32000, seed=0, n_states=SYNTH_STATES, n_successors=8, doc_len=256,
-                     part=0):
+def synthetic_tokens(n_tokens, vocab_size=32000, seed=0, n_states=SYNTH_STATES, n_successors=8, doc_len=256, part=0):
     """n_tokens uint16 ids from a sparse Markov chain over n_states ids of the vocabulary (state 0 is BOS_ID; the
     others avoid ids 0-2). seed fixes the chain, part picks an independent stretch of it (one per file)."""
     if not n_successors < n_states <= vocab_size - 2:
-        raise ValueError(f"synthetic data needs n_successors < n_states <= vocab_size - 2, got {n_successors}, "
-                         f"{n_states}, {vocab_size}.")
+        raise ValueError(
+            f"synthetic data needs n_successors < n_states <= vocab_size - 2, got {n_successors}, "
+            f"{n_states}, {vocab_size}."
+        )
     probs = _synthetic_probs(n_successors, doc_len)
     rng = np.random.default_rng([seed, 0])
     ids = np.concatenate([[BOS_ID], rng.choice(np.arange(3, vocab_size), n_states - 1, replace=False)])
@@ -350,15 +495,24 @@ def synthetic_tokens(n_tokens, vocab_size=32000, seed=0, n_states=SYNTH_STATES, 
     return ids.astype(np.uint16)[walk[keep][:n_tokens]]
 
 
-def write_synthetic(out_dir, n_tokens, chunk_tokens=1 << 24, vocab_size=32000, seed=0, n_states=SYNTH_STATES,
-                    n_successors=8, doc_len=256):
+def write_synthetic(
+    out_dir,
+    n_tokens,
+    chunk_tokens=1 << 24,
+    vocab_size=32000,
+    seed=0,
+    n_states=SYNTH_STATES,
+    n_successors=8,
+    doc_len=256,
+):
     """Write n_tokens synthetic tokens in the event format: chunk_0001.bin, chunk_0002.bin, ..."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for part, start in enumerate(range(0, n_tokens, chunk_tokens)):
-        tokens = synthetic_tokens(min(chunk_tokens, n_tokens - start), vocab_size, seed, n_states, n_successors,
-                                  doc_len, part=part)
+        tokens = synthetic_tokens(
+            min(chunk_tokens, n_tokens - start), vocab_size, seed, n_states, n_successors, doc_len, part=part
+        )
         paths.append(out / f"chunk_{part + 1:04d}.bin")
         tokens.astype("<u2").tofile(paths[-1])
     return paths
@@ -366,9 +520,10 @@ def write_synthetic(out_dir, n_tokens, chunk_tokens=1 << 24, vocab_size=32000, s
 
 def _cli_check(args):
     start = time.perf_counter()
-    s = check_token_files(find_token_files(args.data_dir), args.vocab_size, args.seq_len)
+    s = check_token_files(find_token_files(args.data_dir), args.vocab_size, args.seq_len, full=args.full)
     print(f"ok: {s['files']} files, {s['tokens']:,} tokens ({2 * s['tokens'] / 2**30:.2f} GiB) in {args.data_dir}")
-    print(f"sampled {s['sampled_tokens']:,} tokens: ids {s['min_id']}..{s['max_id']} (--vocab_size {args.vocab_size})")
+    checked = "every token" if args.full else f"sampled {s['checked_tokens']:,} tokens"
+    print(f"{checked}: ids {s['min_id']}..{s['max_id']} (--vocab_size {args.vocab_size})")
     mean_doc = f", ~{1 / s['bos_rate']:,.0f} tokens per document" if s["bos_rate"] else ""
     print(f"BOS id {BOS_ID}: rate {s['bos_rate']:.2e}{mean_doc}: {'detected' if s['has_bos'] else 'not detected'}")
     print(f"checked in {time.perf_counter() - start:.2f} s")
@@ -376,10 +531,20 @@ def _cli_check(args):
 
 def _cli_synth(args):
     start = time.perf_counter()
-    paths = write_synthetic(args.out_dir, args.tokens, args.chunk_tokens, args.vocab_size, args.seed, args.n_states,
-                            args.n_successors, args.doc_len)
-    print(f"wrote {args.tokens:,} tokens in {len(paths)} files to {args.out_dir} in {time.perf_counter() - start:.1f}"
-          f" s; entropy rate {synthetic_entropy_nats(args.n_successors, args.doc_len):.4f} nats/token")
+    paths = write_synthetic(
+        args.out_dir,
+        args.tokens,
+        args.chunk_tokens,
+        args.vocab_size,
+        args.seed,
+        args.n_states,
+        args.n_successors,
+        args.doc_len,
+    )
+    print(
+        f"wrote {args.tokens:,} tokens in {len(paths)} files to {args.out_dir} in {time.perf_counter() - start:.1f}"
+        f" s; entropy rate {synthetic_entropy_nats(args.n_successors, args.doc_len):.4f} nats/token"
+    )
 
 
 def _cli_bench(args):
@@ -400,22 +565,27 @@ def _cli_bench(args):
         return time.perf_counter() - start, waited
 
     def with_loader(compute):
-        with BatchLoader(data.train, args.seq_len, args.batch_size, 0, 1, doc_aligned=args.doc_aligned,
-                         bos_id=data.bos_id) as loader:
+        with BatchLoader(
+            data.train, args.seq_len, args.batch_size, 0, 1, doc_aligned=args.doc_aligned, bos_id=data.bos_id
+        ) as loader:
             return timed(loader, compute)
 
     for label in ("first pass", "page cache"):  # the first pass reads exactly the windows the second one times
         seconds, _ = with_loader(compute=False)
-        print(f"loader ({label}): {args.batches * args.batch_size * args.seq_len / seconds / 1e6:.1f}M tokens/s "
-              f"({1e3 * seconds / args.batches:.2f} ms/batch of {args.batch_size} x {args.seq_len})")
+        print(
+            f"loader ({label}): {args.batches * args.batch_size * args.seq_len / seconds / 1e6:.1f}M tokens/s "
+            f"({1e3 * seconds / args.batches:.2f} ms/batch of {args.batch_size} x {args.seq_len})"
+        )
     alone, shared = [], []
     for _ in range(3):  # alternate and keep the best of each: other processes share this machine
         alone.append(timed(None, compute=True)[0])
         shared.append(with_loader(compute=True))
     alone, (shared, waited) = min(alone) / args.batches, [t / args.batches for t in min(shared)]
-    print(f"compute loop ({args.matmul}^2 matmul + one batch per iteration, best of 3): alone {1e3 * alone:.2f} "
-          f"ms/iter, with loader {1e3 * shared:.2f} ms/iter ({100 * (shared / alone - 1):+.1f}%, of which "
-          f"{1e3 * waited:.3f} ms/iter in next())")
+    print(
+        f"compute loop ({args.matmul}^2 matmul + one batch per iteration, best of 3): alone {1e3 * alone:.2f} "
+        f"ms/iter, with loader {1e3 * shared:.2f} ms/iter ({100 * (shared / alone - 1):+.1f}%, of which "
+        f"{1e3 * waited:.3f} ms/iter in next())"
+    )
 
 
 def data_cli(argv=None):
@@ -423,6 +593,7 @@ def data_cli(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a folder of chunk_*.bin files and summarise it")
     check.add_argument("data_dir")
+    check.add_argument("--full", action="store_true", help="read every token, not a sample (minutes on NFS)")
     synth = commands.add_parser("synth", help="write the synthetic Markov data in the event format")
     synth.add_argument("out_dir")
     synth.add_argument("--tokens", type=lambda s: int(float(s)), required=True, help="e.g. 1e8")

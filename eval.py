@@ -19,10 +19,12 @@ HellaSwag (--hellaswag FILE.jsonl --tokenizer TOKENIZER.model, offline): each li
 own (SentencePiece's leading-space marker stands for the space between them), and an ending scores the sum of
 its tokens' log-probabilities given the context (acc) or their mean per token (acc_norm).
 """
+
 import argparse
 import json
 import math
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -33,11 +35,40 @@ from model import get_model
 
 
 def load_checkpoint(path):
-    if not pathlib.Path(path).is_file():
+    """The organizers' three lines, verbatim; each way a checkpoint file can be bad becomes one ValueError."""
+    path = pathlib.Path(path)
+    if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist.")
-    ckpt = torch.load(path, weights_only=True)
-    model = get_model(ckpt["config"])
-    model.load_state_dict(ckpt["model"])
+    if path.stat().st_size == 0:
+        raise ValueError(f"checkpoint {path} is empty (0 bytes).")
+    try:
+        ckpt = torch.load(path, weights_only=True)
+    except Exception as e:  # RuntimeError, EOFError, UnpicklingError, ...: whatever the damage gives
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if refused:  # a readable file holding an object the organizers' weights_only load refuses
+            raise ValueError(
+                f"checkpoint {path} holds a {refused[1]} object, which torch.load(weights_only=True) "
+                f"refuses; save plain tensors, numbers and strings."
+            ) from None
+        raise ValueError(
+            f"checkpoint {path} ({path.stat().st_size:,} bytes) is not a readable torch checkpoint: "
+            f"truncated, corrupted or another format."
+        ) from None
+    if not isinstance(ckpt, dict) or "config" not in ckpt or "model" not in ckpt:
+        held = sorted(map(str, ckpt)) if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(f"checkpoint {path} lacks the 'model' and 'config' entries train.py writes (it holds {held}).")
+    try:
+        model = get_model(ckpt["config"])
+    except Exception as e:  # whatever get_model's checks raise on a config it cannot build
+        raise ValueError(f"checkpoint {path}: get_model cannot build a model from its config ({e}).") from None
+    try:
+        model.load_state_dict(ckpt["model"])
+    except Exception as e:  # RuntimeError listing every mismatch, TypeError on a non-dict
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = (lines[1] if len(lines) > 1 else lines[0] if lines else type(e).__name__)[:300].rstrip(".")
+        raise ValueError(
+            f"checkpoint {path}: its weights do not fit the model its config describes ({detail})."
+        ) from None
     return model, ckpt
 
 
@@ -75,7 +106,7 @@ def make_windows(tokens, seq_len, vocab_size):
         raise ValueError(f"--data gives {len(tokens)} tokens, fewer than one window of seq_len + 1 = {window}.")
     if (top := int(tokens.max())) >= vocab_size:
         raise ValueError(f"--data contains token id {top} >= the model's vocab_size {vocab_size}.")
-    return tokens[:len(tokens) // window * window].view(-1, window)
+    return tokens[: len(tokens) // window * window].view(-1, window)
 
 
 @torch.no_grad()
@@ -91,6 +122,7 @@ def mean_loss(model, windows, batch_size, device):
 
 
 # ----------------------------------------------------------------------------- HellaSwag
+
 
 def load_hellaswag(path):
     """[(context, endings, label)] from a HellaSwag .jsonl file."""
@@ -108,8 +140,10 @@ def load_hellaswag(path):
             except (ValueError, KeyError, TypeError):
                 context, endings, label = "", [], -1
             if not context or len(endings) < 2 or not 0 <= label < len(endings):
-                raise ValueError(f"--hellaswag {path} line {number} is not an example with a ctx (or ctx_a and "
-                                 f"ctx_b), 2+ endings and a label indexing them.")
+                raise ValueError(
+                    f"--hellaswag {path} line {number} is not an example with a ctx (or ctx_a and "
+                    f"ctx_b), 2+ endings and a label indexing them."
+                )
             items.append((context, endings, label))
     if not items:
         raise ValueError(f"--hellaswag {path} holds no examples.")
@@ -121,13 +155,15 @@ def load_tokenizer(path, vocab_size):
     try:
         import sentencepiece
     except ImportError:
-        raise ValueError("--hellaswag needs the sentencepiece package: pip install sentencepiece") from None
+        raise ValueError("--tokenizer needs the sentencepiece package: pip install sentencepiece") from None
     if not pathlib.Path(path).is_file():
         raise FileNotFoundError(f"--tokenizer {path} does not exist.")
     tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(path))
     if tokenizer.get_piece_size() > vocab_size:
-        raise ValueError(f"--tokenizer {path} has {tokenizer.get_piece_size()} pieces, more than the model's "
-                         f"vocab_size {vocab_size}.")
+        raise ValueError(
+            f"--tokenizer {path} has {tokenizer.get_piece_size()} pieces, more than the model's "
+            f"vocab_size {vocab_size}."
+        )
     return tokenizer
 
 
@@ -136,19 +172,19 @@ def ending_logprobs(model, context, endings, device, max_len):
     """[(sum of log p(token | everything before it), token count)] per ending, all endings in one batch.
     context: token ids (at least one), endings: lists of token ids. Rows longer than max_len + 1 lose
     context tokens from the left; rows are right-padded, which a causal model never sees."""
-    rows = [(context + ending)[-(max_len + 1):] for ending in endings]
+    rows = [(context + ending)[-(max_len + 1) :] for ending in endings]
     if any(len(ending) == 0 or len(ending) >= len(row) for ending, row in zip(endings, rows)):
         raise ValueError(f"every ending needs 1..{max_len} tokens after at least one context token.")
     batch = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int64)
     for i, row in enumerate(rows):
-        batch[i, :len(row)] = torch.tensor(row)
+        batch[i, : len(row)] = torch.tensor(row)
     logits, _ = model(batch[:, :-1].to(device))
     logp = F.log_softmax(logits.float(), dim=-1).cpu()
     scores = []
     for i, (row, ending) in enumerate(zip(rows, endings)):
         start = len(row) - len(ending)  # first ending token; predicted by the logits one position earlier
         targets = torch.tensor(ending)
-        scores.append((logp[i, start - 1:len(row) - 1].gather(-1, targets[:, None]).sum().item(), len(ending)))
+        scores.append((logp[i, start - 1 : len(row) - 1].gather(-1, targets[:, None]).sum().item(), len(ending)))
     return scores
 
 
@@ -160,11 +196,15 @@ def hellaswag(model, items, tokenizer, device, max_len):
         scores = ending_logprobs(model, bos + tokenizer.encode(context), tokenizer.encode(endings), device, max_len)
         correct += max(range(len(scores)), key=lambda i: scores[i][0]) == label
         correct_norm += max(range(len(scores)), key=lambda i: scores[i][0] / scores[i][1]) == label
-    return {"hellaswag_acc": correct / len(items), "hellaswag_acc_norm": correct_norm / len(items),
-            "hellaswag_examples": len(items)}
+    return {
+        "hellaswag_acc": correct / len(items),
+        "hellaswag_acc_norm": correct_norm / len(items),
+        "hellaswag_examples": len(items),
+    }
 
 
 # ----------------------------------------------------------------------------- main
+
 
 def evaluate(args):
     if args.hellaswag and not args.tokenizer:
@@ -181,17 +221,27 @@ def evaluate(args):
     tokens, where = eval_tokens(args.data, args.max_tokens)
     windows = make_windows(tokens, seq_len, vocab_size)
     loss = mean_loss(model, windows, args.batch_size, device)
-    result = {"checkpoint": str(args.checkpoint), "step": ckpt.get("step"), "params": model.num_params(),
-              "data": where, "seq_len": seq_len, "windows": len(windows), "tokens": windows[:, 1:].numel(),
-              "val_loss": loss, "bits_per_token": loss / math.log(2)}
+    result = {
+        "checkpoint": str(args.checkpoint),
+        "step": ckpt.get("step"),
+        "params": model.num_params(),
+        "data": where,
+        "seq_len": seq_len,
+        "windows": len(windows),
+        "tokens": windows[:, 1:].numel(),
+        "val_loss": loss,
+        "bits_per_token": loss / math.log(2),
+    }
     print(f"checkpoint {args.checkpoint}: step {result['step']}, {result['params']:,} parameters, on {device}")
     print(f"data: {where} -> {len(windows):,} windows of {seq_len} + 1 ({result['tokens']:,} predicted tokens)")
     print(f"val loss {loss:.4f} nats/token = {result['bits_per_token']:.4f} bits/token")
     if args.hellaswag:
         tokenizer = load_tokenizer(args.tokenizer, vocab_size)
         result.update(hellaswag(model, load_hellaswag(args.hellaswag), tokenizer, device, seq_len))
-        print(f"hellaswag: acc {result['hellaswag_acc']:.4f}, acc_norm {result['hellaswag_acc_norm']:.4f} "
-              f"over {result['hellaswag_examples']:,} examples")
+        print(
+            f"hellaswag: acc {result['hellaswag_acc']:.4f}, acc_norm {result['hellaswag_acc_norm']:.4f} "
+            f"over {result['hellaswag_examples']:,} examples"
+        )
     print(json.dumps(result))
     return result
 
@@ -209,8 +259,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         return evaluate(args)
-    except (ValueError, FileNotFoundError) as e:  # user errors: one sentence, no traceback
-        sys.exit(f"error: {e}")
+    except (ValueError, FileNotFoundError) as e:  # user errors: one sentence, no traceback, exit 2 as train.py
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 Every modded-nanogpt trick below is a few lines behind a config key, so benchmarks can ablate it.
 Nothing here depends on the training length: RoPE is computed for whatever T arrives.
 """
+
 import math
 from dataclasses import dataclass, fields
 
@@ -32,6 +33,92 @@ class SoftCap(torch.autograd.Function):
         (out,) = ctx.saved_tensors
         # d(cap * tanh z)/dz = cap * (1 - tanh^2 z) = cap - out^2 / cap
         return torch.addcmul(out.new_full((), ctx.cap), out, out, value=-1.0 / ctx.cap).mul_(grad), None
+
+
+def matmul_into(out, a, b):
+    """a @ b written into out, which may be wider than a and b (bf16 in, float32 out)."""
+    return torch.mm(a, b, out=out) if out.dtype == a.dtype else out.copy_(torch.mm(a, b))
+
+
+class HeadLoss(torch.autograd.Function):
+    """Mean cross-entropy of cap * tanh(x @ weight.T / cap) (cap 0: of x @ weight.T), a chunk of rows at a time.
+
+    Only one chunk's (rows, V) float32 logits exist at a time. The loss is the last op of the graph, so each chunk's
+    gradients are taken in forward, while its logits are at hand (three matmuls in all, no recomputation), and
+    backward only scales dx and dweight by the incoming gradient. The cap goes through a sigmoid,
+    cap * tanh(y) = 2cap * sigmoid(2y) - cap, and the softmax ignores the shift: sigmoid costs half of tanh on CPU,
+    it bounds the logits (no max pass) and its derivative comes from its output, 1 - tanh^2 = 4 s (1 - s).
+    Targets -100 are left out of the mean, as F.cross_entropy does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, cap, rows, dtype, need_grad):
+        # x (N, C), weight (V, C), targets (N,); dtype is the matmuls' (autocast's), the loss math float32 or wider
+        acc = torch.promote_types(dtype, torch.float32)
+        valid = targets != -100
+        row_weight = valid.to(acc) / valid.sum()  # the mean over counted rows, as F.cross_entropy takes it
+        targets = targets.masked_fill(~valid, 0)[:, None]
+        w = weight.to(dtype)
+        # with y = x @ weight.T and s = sigmoid(-2y/cap) = 1 - sigmoid(2y/cap), the logits minus their bound 2cap are
+        # z = -2cap * s <= 0, so exp never overflows. The -2/cap scales the (N, C) input, not the (N, V) logits.
+        x_in = (x.to(acc) * (-2 / cap) if cap else x).to(dtype)
+        slope = -2 / cap if cap else 1.0  # d logit / dy = 4 s(1 - s) = d * -2/cap, d as below
+        row_loss = torch.empty(x.size(0), device=x.device, dtype=acc)
+        dx = torch.empty_like(x) if need_grad else None
+        dw = torch.zeros_like(weight, dtype=acc) if need_grad else None
+        # chunk buffers for all chunks: on CPU a fresh (rows, V) allocation per chunk costs its page faults
+        logits_buf = torch.empty(min(rows, x.size(0)), weight.size(0), device=x.device, dtype=acc)
+        exp_buf = torch.empty_like(logits_buf) if cap else logits_buf
+        for i in range(0, x.size(0), rows):
+            x_c, t_c = x_in[i : i + rows], targets[i : i + rows]
+            n = x_c.size(0)
+            z = matmul_into(logits_buf[:n], x_c, w.t())
+            if cap:
+                z.sigmoid_().mul_(-2 * cap)
+            else:
+                z.sub_(z.amax(1, keepdim=True))
+            target_logit = z.gather(1, t_c)
+            e = torch.exp(z, out=exp_buf[:n])
+            total = e.sum(1, keepdim=True)
+            row_loss[i : i + n] = (total.log() - target_logit).squeeze(1)
+            if not need_grad:
+                continue
+            # d loss_row / d logits = softmax - onehot = (e - total * onehot) / total; 1/total joins the row scale,
+            # which commutes with the matmuls. The cap's derivative 4 s(1 - s) comes from z = -2cap * s:
+            # d = z + z^2 / 2cap = -2cap * s(1 - s), in place (its -2/cap is in slope).
+            g = e.scatter_add_(1, t_c, -total)
+            if cap:
+                g.mul_(z.addcmul_(z, z, value=0.5 / cap))
+            g = g.to(dtype)
+            scale = slope * row_weight[i : i + n, None] / total
+            dx[i : i + n] = torch.mm(g, w).mul_(scale)
+            x_scaled = (x[i : i + n] * scale).to(dtype)
+            if dtype == acc:
+                dw.addmm_(g.t(), x_scaled)
+            else:  # a bf16 product per chunk, summed in float32
+                dw.add_(torch.mm(g.t(), x_scaled))
+        ctx.save_for_backward(dx, dw)
+        return (row_loss * row_weight).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw = ctx.saved_tensors
+        return dx * grad, dw * grad, None, None, None, None, None
+
+
+# float32 logits per head_loss chunk. CPU: 16-64 MB tie and both chunk buffers still fit a 32 MB L3; under 8 MB the
+# matmuls' short rows cost more than the cache saves. GPU: a pass over 64 MB (~20 us) outlasts its kernel launch.
+LOSS_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 64 << 20}
+
+
+def head_loss(x, weight, targets, cap=0.0, rows=None):
+    """F.cross_entropy(cap * tanh(x @ weight.T / cap), targets) (cap 0: no cap) for x (N, C), weight (V, C) and
+    targets (N,), never holding the (N, V) logits. rows: tokens per chunk; by default from LOSS_CHUNK_BYTES."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    budget = LOSS_CHUNK_BYTES["cpu" if device == "cpu" else "gpu"]
+    rows = rows or max(1, budget // (4 * weight.size(0)))
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return HeadLoss.apply(x, weight, targets.long(), cap, rows, dtype, need_grad)
 
 
 @dataclass
@@ -206,7 +293,11 @@ class GPT(nn.Module):
             else:
                 self.lm_head.weight.normal_(0.0, 0.02)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, return_logits=True):
+        """(logits, loss), loss None without targets. return_logits=False: (None, loss) through head_loss, which
+        never holds the (B, T, V) logits; a keyword, so DDP's and torch.compile's wrappers of forward carry it."""
+        if not return_logits and targets is None:
+            raise ValueError("forward(return_logits=False) returns the loss alone, so it needs targets")
         B, T = idx.shape
         cfg = self.config
         x = self.wte(idx)
@@ -229,6 +320,8 @@ class GPT(nn.Module):
                 skips.append(x)
         x = self.norm_f(x)
         head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
+        if not return_logits:
+            return None, head_loss(x.view(B * T, -1), head, targets.reshape(-1), cfg.logit_softcap)
         if cfg.logit_softcap > 0:
             # the 1/cap goes on the (V, C) weight, not the (B, T, V) logits: one pass fewer over the
             # largest tensor, which dominates eager (CPU) step time at small widths

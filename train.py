@@ -3,11 +3,15 @@
     python train.py                                  # 1 process: CUDA if present, else CPU
     torchrun --nproc_per_node=8 train.py --data_dir /home/data/
     sbatch submit_slurm.sh                           # 4 nodes x 8 GPUs
+    python train.py --dry_run --world_size 32 --peak_tflops 2250 --device_memory_gib 288   # the event plan
 
-The schedule is a function of progress = max(elapsed / budget, step / max_steps), so whichever
-limit the launcher's flags make binding, warmup, stable and decay all happen and the last step
-runs at the floor LR. The clock starts right before the first forward pass (compile included).
+Before the clock: every check, the run plan (shape, tokens per step, micro-batch, forecast), the model, the
+step-0 checkpoint and one of each collective; then all ranks start the clock together. The schedule is a
+function of progress: the clock's forecast of elapsed / budget, or step / max_steps if that is ahead, and exactly 1
+at the last step, which is re-planned from the measured step time at every host sync. Whichever limit binds,
+warmup, stable and decay all happen and the last step runs at the floor LR.
 """
+
 import argparse
 import dataclasses
 import gc
@@ -18,125 +22,230 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from model import GPTConfig, get_model
-from data import SYNTH_STATES, BatchLoader, load_token_data, val_batches
-from muon import build_optimizers
-from autosize import choose_shape, peak_flops, shape_config
-from checkpoint import Checkpointer, check_writable, cpu_state_dict, save_checkpoint
+from model import GPTConfig
+from checkpoint import CheckpointError
+from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, Clock, peak_flops
+from launch import build_plan, fail, launch, resolve
+
+
+def flag(default, help, kind=None):
+    """A hyperparameter and its --help line; kind converts a flag whose default is "auto"."""
+    return field(default=default, metadata={"help": help, "kind": kind})
 
 
 @dataclass
 class Hyperparameters:
     # --- the organizers' flag names, kept verbatim ---
-    data_dir: Optional[str] = None  # None: /home/data if it exists, else embedded synthetic data
-    checkpoint_path: str = "checkpoint.pt"
-    seq_len: int = 1024
-    vocab_size: Optional[int] = None  # None: 32000 for token files, 1024 for the synthetic data
-    n_layer: Optional[int] = None  # shape flags: None takes model.py's default
-    n_head: Optional[int] = None
-    n_embd: Optional[int] = None
-    batch_size: int = 8  # sequences per device per micro-step (a memory knob)
-    grad_accum_steps: int = 1  # used only when batch_tokens == 0, else derived from it
-    max_steps: int = 1_000_000  # an upper limit, never a schedule knob
-    time_limit_min: float = 10.0  # the budget, from the first forward pass
-    # --- ours ---
-    model: str = "auto"  # auto: the ladder shape that fits budget x world x measured speed; or a ladder name
-    shape_flags: str = "win"  # win: --n_layer/--n_head/--n_embd override --model | ignore: --model decides
-    tokens_per_param: float = -1.0  # auto: the largest shape seeing this many tokens/block param; -1: per device
-    auto_efficiency: float = -1.0  # fraction of the measured matmul rate a step reaches; -1: per device kind
-    batch_tokens: int = -1  # global tokens per optimizer step; -1: 524288 on CUDA, literal flags on CPU; 0: literal
-    metrics_path: Optional[str] = None  # default: metrics.jsonl beside the checkpoint
-    val_file: Optional[str] = None  # default: the tail of the last data file
-    val_tokens: int = 1_048_576  # the held-out range: the same tokens on every run
-    val_eval_tokens: int = -1  # how many of them to score; -1: all on CUDA, 65536 on CPU
-    val_every_min: float = 0.0  # periodic validation spends budget; the final one always runs
-    save_every_min: float = 2.5  # background checkpoints, so a crash still leaves a recent one
-    schedule: str = "wsd"  # wsd (warmup-stable-decay) | cosine (the starter's, for baselines)
-    progress_by: str = "clock"  # clock: max(elapsed/budget, step/max_steps) | steps: step/max_steps (starter)
-    warmup_frac: float = 0.0  # Muon needs no warmup; AdamW groups tolerate none at these LRs
-    decay_frac: float = 0.4  # WSD: linear decay over the last 40% of the budget
-    min_lr_frac: float = 0.0  # the floor the decay ends at
-    optimizer: str = "muon"  # muon: Muon for hidden matrices + AdamW | adamw: AdamW for everything
-    muon_lr: float = 0.05
-    adamw_lr: float = 3e-3  # hidden matrices' LR when --optimizer adamw
-    embed_lr: float = 0.6
-    head_lr: float = 0.008
-    scalar_lr: float = 0.04
-    weight_decay: float = 0.0
-    muon_momentum_start: float = 0.85  # warmed up: early gradients are noisy
-    muon_momentum: float = 0.95
-    momentum_warmup_frac: float = 0.15
-    doc_aligned: bool = False  # windows start at BOS tokens when the data marks documents
-    device: str = "auto"  # auto | cpu | cuda
-    compile: Optional[bool] = None  # None: on for CUDA, off for CPU
-    autocast: Optional[str] = None  # bf16 | none; None: bf16 on CUDA, none on CPU
-    peak_tflops: float = 0.0  # per device, for MFU; 0: look it up from the GPU name
-    seed: int = 0
-    log_every_s: float = 1.0  # host-sync cadence: clock check, loss read, stop decision
+    data_dir: str = flag("auto", "chunk_*.bin token folder; auto: /home/data if present, else synthetic data")
+    checkpoint_path: str = flag("checkpoint.pt", "written at start, every --save_every_min, on SIGTERM and at the end")
+    seq_len: int = flag(1024, "training window in tokens")
+    vocab_size: str = flag("auto", "auto: 32000 for token files, 1024 for the synthetic data", int)
+    n_layer: str = flag("auto", "shape flag; auto: from --model (given shape flags win, see --shape_flags)", int)
+    n_head: str = flag("auto", "shape flag; auto: from --model", int)
+    n_embd: str = flag("auto", "shape flag; auto: from --model", int)
+    batch_size: int = flag(8, "the floor of the micro-batch (sequences per device per forward)")
+    grad_accum_steps: str = flag("auto", "derived by the plan from tokens per step; a given value is ignored", int)
+    max_steps: int = flag(1_000_000, "never exceeded; tokens per step grow so the budget fits in 90% of it")
+    time_limit_min: float = flag(10.0, "the training budget in minutes, from the first forward pass")
+    # --- the run plan (plan.py) ---
+    model: str = flag("auto", "a plan.LADDER name; auto: the largest trained --tokens_per_param tokens per param")
+    shape_flags: str = flag("win", "win: --n_layer/--n_head/--n_embd override --model; ignore: --model decides")
+    tokens_per_param: str = flag("auto", f"what --model auto wants; auto: per device {TOKENS_PER_PARAM}", float)
+    auto_efficiency: str = flag("auto", f"step speed / matmul rate; auto: per device {AUTO_EFFICIENCY}", float)
+    batch_tokens: str = flag("auto", "global tokens per step; auto: the recipe's minimum, or more (--max_steps)", int)
+    micro_batch: str = flag("auto", "sequences per device per forward; auto: as many as memory allows", int)
+    dry_run: bool = flag(False, "print the plan and exit before any forward pass")
+    world_size: str = flag("auto", "with --dry_run: plan for this many devices; auto: this launch's", int)
+    peak_tflops: str = flag("auto", "bf16 peak per device, for MFU (and the rate a dry run plans with)", float)
+    device_memory_gib: str = flag("auto", "per-device memory to plan with; auto: this device's", float)
+    # --- data and evaluation ---
+    metrics_path: str = flag("auto", "JSON-lines metrics; auto: metrics.jsonl beside the checkpoint")
+    val_file: str = flag("auto", "validation token file; auto: the last --val_tokens of the last data file")
+    val_tokens: int = flag(1_048_576, "size of the held-out validation range (the same tokens on every run)")
+    val_eval_tokens: str = flag("auto", "validation tokens scored; auto: all on CUDA, 65536 on CPU", int)
+    val_every_min: float = flag(0.0, "periodic validation until the decay, planned into the budget; 0: final only")
+    save_every_min: float = flag(2.5, "background checkpoint cadence; 0: only at start and end")
+    doc_aligned: bool = flag(False, "start every window at a BOS token (needs BOS-marked data)")
+    # --- schedule and optimizer ---
+    schedule: str = flag("wsd", "wsd (warmup, stable, linear decay) or cosine (the starter's, for baselines)")
+    progress_by: str = flag("clock", "clock: elapsed / budget; steps: step / max_steps (the starter's way)")
+    warmup_frac: float = flag(0.0, "fraction of the run in linear LR warmup (Muon needs none)")
+    decay_frac: float = flag(0.4, "WSD: fraction of the run in the final linear decay")
+    min_lr_frac: float = flag(0.0, "the LR floor the decay ends at, as a fraction of each group's LR")
+    optimizer: str = flag("muon", "muon: Muon for hidden matrices + AdamW; adamw: AdamW for everything")
+    muon_lr: float = flag(0.05, "Muon LR of the hidden matrices")
+    adamw_lr: float = flag(3e-3, "AdamW LR of the hidden matrices with --optimizer adamw")
+    embed_lr: float = flag(0.6, "AdamW LR of the embedding tables")
+    head_lr: float = flag(0.008, "AdamW LR of the output head (and of a tied embedding)")
+    scalar_lr: float = flag(0.04, "AdamW LR of gains and scalars")
+    weight_decay: float = flag(0.0, "decoupled weight decay of matrices and tables")
+    muon_momentum_start: float = flag(0.85, "Muon momentum at the start (early gradients are noisy)")
+    muon_momentum: float = flag(0.95, "Muon momentum after --momentum_warmup_frac")
+    momentum_warmup_frac: float = flag(0.15, "fraction of the run over which Muon momentum warms up")
+    # --- device and runtime ---
+    device: str = flag("auto", "auto (CUDA if present), cpu or cuda")
+    compile: str = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
+    autocast: str = flag("auto", "bf16 or none; auto: bf16 on CUDA, none on CPU")
+    grad_reduce: str = flag("bf16", "dtype of the gradient all-reduce across ranks: bf16 (half the bytes) or fp32")
+    collective_timeout_min: float = flag(5.0, "a rank silent this long in a collective ends the job (> compile skew)")
+    slurm_reserve_s: float = flag(60.0, "under SLURM, seconds kept after training for the final save and exit")
+    seed: int = flag(0, "seed of the weights and of the data order")
+    log_every_s: float = flag(1.0, "host-sync cadence: clock check, loss read, stop decision, metrics row")
+
+
+CHOICES = {
+    "shape_flags": ("win", "ignore"),
+    "schedule": ("wsd", "cosine"),
+    "optimizer": ("muon", "adamw"),
+    "progress_by": ("clock", "steps"),
+    "device": ("auto", "cpu", "cuda"),
+    "autocast": ("auto", "bf16", "none"),
+    "grad_reduce": ("bf16", "fp32"),
+}
+POSITIVE = (
+    "seq_len batch_size max_steps vocab_size n_layer n_head n_embd grad_accum_steps batch_tokens micro_batch "
+    "world_size time_limit_min val_eval_tokens peak_tflops device_memory_gib tokens_per_param auto_efficiency "
+    "collective_timeout_min"
+).split()
+NON_NEGATIVE = "val_tokens val_every_min save_every_min slurm_reserve_s warmup_frac min_lr_frac log_every_s".split()
 
 
 def parse_args(argv=None):
-    """Flags generated from Hyperparameters, plus one per model.py switch (default: model.py's own)."""
+    """(Hyperparameters, model.py switches given, unknown flags). Flags come from the dataclass, plus one per
+    model.py switch (default: model.py's own)."""
     # no prefix matching: an unknown --warmup must be ignored, not read as --warmup_frac
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    for f in dataclasses.fields(Hyperparameters):
+        kind, help_text = (
+            f.metadata["kind"] or f.type,
+            f"{f.metadata['help']} (default: {f.default})".replace("%", "%%"),
+        )
+        if kind is bool:
+            parser.add_argument(f"--{f.name}", default=f.default, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        convert = (lambda k: lambda s: s if s == "auto" else k(s))(kind) if f.default == "auto" else kind
+        parser.add_argument(f"--{f.name}", type=convert, default=f.default, help=help_text)
     ours = {f.name for f in dataclasses.fields(Hyperparameters)}
     switches = [f for f in dataclasses.fields(GPTConfig) if f.name not in ours]
-    for f in [*dataclasses.fields(Hyperparameters), *switches]:
-        default = f.default if f.name in ours else None
-        if f.type in (bool, Optional[bool]):
-            parser.add_argument(f"--{f.name}", default=default, action=argparse.BooleanOptionalAction)
-        else:
-            kind = {Optional[int]: int, Optional[str]: str, Optional[float]: float}.get(f.type, f.type)
-            parser.add_argument(f"--{f.name}", type=kind, default=default)
+    for f in switches:
+        kind = {bool: None}.get(f.type, f.type)
+        extra = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": kind}
+        parser.add_argument(f"--{f.name}", default=None, help=f"model.py switch (default: {f.default})", **extra)
     args, unknown = parser.parse_known_args(argv)
     args = vars(args)
     model_switches = {f.name: value for f in switches if (value := args.pop(f.name)) is not None}
     return Hyperparameters(**args), model_switches, unknown
 
 
+def check_flags(hp):
+    """Flag values a user can get wrong, as one sentence each; the same on every rank, so no collective."""
+    for name, allowed in CHOICES.items():
+        if getattr(hp, name) not in allowed:
+            raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(hp, name)!r}")
+    for name in POSITIVE:
+        value = getattr(hp, name)
+        if value != "auto" and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name} must be a finite number above 0, got {value}")
+    for name in NON_NEGATIVE:
+        if not (math.isfinite(getattr(hp, name)) and getattr(hp, name) >= 0):
+            raise ValueError(f"--{name} must be a finite number >= 0, got {getattr(hp, name)}")
+    if not 0.0 < hp.decay_frac <= 1.0:
+        raise ValueError(f"--decay_frac must be in (0, 1] so the last step runs at the floor LR, got {hp.decay_frac}")
+    if hp.warmup_frac >= 1.0 or (hp.schedule == "wsd" and hp.warmup_frac + hp.decay_frac > 1.0):
+        raise ValueError(
+            f"--warmup_frac {hp.warmup_frac} leaves no room for the decay: it must be below 1 and, with "
+            f"wsd, at most 1 - --decay_frac"
+        )
+    if hp.min_lr_frac > 1.0:
+        raise ValueError(f"--min_lr_frac must be at most 1, got {hp.min_lr_frac}")
+    if hp.device == "cuda" and not torch.cuda.is_available() and not hp.dry_run:
+        raise ValueError("--device cuda was given but no CUDA device is visible")
+
+
 # ----------------------------------------------------------------------------- schedule
 
-def schedule(progress, hp):
+
+def schedule(progress_frac, hp):
     """(lr_frac, muon momentum) at progress in [0, 1]: warmup, stable, linear decay to the floor."""
-    p = min(max(progress, 0.0), 1.0)
+    p = min(max(progress_frac, 0.0), 1.0)
+    floor = hp.min_lr_frac
     if hp.warmup_frac > 0 and p < hp.warmup_frac:
         lr_frac = p / hp.warmup_frac
     elif hp.schedule == "cosine":
-        lr_frac = hp.min_lr_frac + (1.0 - hp.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * (p - hp.warmup_frac) / (1 - hp.warmup_frac)))
+        lr_frac = floor + (1.0 - floor) * 0.5 * (1 + math.cos(math.pi * (p - hp.warmup_frac) / (1 - hp.warmup_frac)))
     elif p < 1.0 - hp.decay_frac:
         lr_frac = 1.0
     else:
-        lr_frac = hp.min_lr_frac + (1.0 - hp.min_lr_frac) * (1.0 - p) / hp.decay_frac
+        lr_frac = floor + (1.0 - floor) * (1.0 - p) / hp.decay_frac
     warm = min(p / hp.momentum_warmup_frac, 1.0) if hp.momentum_warmup_frac > 0 else 1.0
     momentum = hp.muon_momentum_start + warm * (hp.muon_momentum - hp.muon_momentum_start)
     return min(lr_frac, 1.0), momentum
 
 
-# ----------------------------------------------------------------------------- setup helpers
+# ----------------------------------------------------------------------------- main
 
-def setup_distributed(hp):
-    rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-    if hp.device == "auto":
-        hp.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if hp.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was given but no CUDA device is visible")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    return rank, world, device
+
+def main(argv=None):
+    stop_signal = []  # SIGTERM/SIGINT from here on: finish the current step, save, exit 0
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda sig, frame: stop_signal.append(sig))
+    hp, model_switches, unknown = parse_args(argv)
+    say = print_on_rank0
+    if unknown:
+        say(f"ignoring unknown flags: {' '.join(unknown)}")
+    try:  # flag errors are the same on every rank: each exits on its own
+        check_flags(hp)
+    except ValueError as e:
+        fail(f"error: {e}")
+    if hp.dry_run:
+        dry_run(hp, model_switches, say)
+        return
+    run = launch(hp, model_switches, stop_signal, say)
+    try:
+        train(run)
+    except RuntimeError as e:  # a dead or frozen rank: end now with the last checkpoint, not at the SLURM wall
+        lost = isinstance(e, dist.DistError) or any(w in str(e).lower() for w in ("timed out", "connection"))
+        if run.world == 1 or not lost:
+            raise
+        run.checkpointer.wait()
+        fail(
+            f"error: rank {run.rank} lost contact with the other ranks ({str(e).splitlines()[0][:200]}); "
+            f"{run.hp.checkpoint_path} holds the last save",
+            code=1,
+        )
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        if run.device.type == "cpu":  # torch 2.13's gloo can abort in interpreter teardown (~10% of clean runs)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+def print_on_rank0(message):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(message, flush=True)
+
+
+def dry_run(hp, model_switches, say):
+    """The plan, printed: for this machine, or with --peak_tflops for a device that is not here."""
+    cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
+    kind = "cuda" if cuda or (hp.peak_tflops != "auto" and hp.device != "cpu") else "cpu"
+    hp = resolve(hp, torch.device(kind))
+    try:
+        plan = build_plan(hp, model_switches, torch.device(kind), int(os.environ.get("WORLD_SIZE", 1)), say)
+    except ValueError as e:
+        fail(f"error: {e}")
+    say(plan.line())
+    say(json.dumps(dataclasses.asdict(plan)))
 
 
 @torch.no_grad()
@@ -146,7 +255,7 @@ def evaluate(model, batches, device, amp):
     total, count = torch.zeros((), device=device), 0
     for x, y in batches:
         with amp:
-            _, loss = model(x.to(device), y.to(device))
+            _, loss = model(x.to(device), y.to(device), return_logits=False)
         total += loss.float() * y.numel()  # token-weighted: the last batch may be smaller
         count += y.numel()
     model.train()
@@ -156,254 +265,200 @@ def evaluate(model, batches, device, amp):
     return (stats[0] / stats[1].clamp(min=1)).item()
 
 
-# ----------------------------------------------------------------------------- main
-
-def main(argv=None):
-    hp, model_switches, unknown = parse_args(argv)
-    rank, world, device = setup_distributed(hp)
-    master = rank == 0
-    say = (lambda msg: print(msg, flush=True)) if master else (lambda msg: None)
-    if unknown:
-        say(f"ignoring unknown flags: {' '.join(unknown)}")
-    try:  # user errors: one clear sentence, before the clock
-        data = check_inputs(hp, device, say)
-        error = None
-    except (ValueError, FileNotFoundError) as e:
-        data, error = None, f"error: {e}"
-    if world > 1:  # one rank's bad input (say, a node's staged data) stops every rank now, not at a hang
-        ok = torch.tensor([float(error is None)], device=device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if error is None and ok.item() == 0:
-            error = f"error: another rank's input checks failed (rank {rank} passed); see that rank's message"
-    if error is None:
-        try:  # model/optimizer errors are the same on every rank, so each can exit on its own
-            run = setup(hp, model_switches, data, rank, world, device, say)
-        except (ValueError, FileNotFoundError) as e:
-            error = f"error: {e}"
-    if error is not None:
-        print(error, file=sys.stderr, flush=True)
-        sys.exit(2)
-    train(hp, rank, world, device, say, **run)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-        if device.type == "cpu":  # torch 2.13's gloo can abort in interpreter teardown (~10% of clean runs)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+# ----------------------------------------------------------------------------- the loop
 
 
-def check_inputs(hp, device, say):
-    """Data, paths and flag values: everything a user can get wrong, checked locally (no collectives)."""
-    if hp.data_dir is None and os.path.isdir("/home/data"):
-        hp.data_dir = "/home/data"
-    if hp.vocab_size is None:  # the synthetic chain uses ~1K ids; a 32K head would dominate a CPU run
-        hp.vocab_size = 32000 if hp.data_dir else SYNTH_STATES
-    data = load_token_data(hp.data_dir, hp.vocab_size, hp.seq_len, hp.val_tokens, hp.val_file)
-    say(f"data: {data.source}")
-    check_writable(hp.checkpoint_path, "checkpoint_path")
-    if hp.metrics_path is None:
-        hp.metrics_path = os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl")
-    check_writable(hp.metrics_path, "metrics_path")
-    if hp.val_eval_tokens < 0:
-        hp.val_eval_tokens = hp.val_tokens if device.type == "cuda" else 65536
-    if hp.compile is None:
-        hp.compile = device.type == "cuda"
-    if hp.autocast is None:
-        hp.autocast = "bf16" if device.type == "cuda" else "none"
-    if hp.autocast not in ("bf16", "none"):
-        raise ValueError(f"--autocast must be bf16 or none, got {hp.autocast!r}")
-    choices = {"shape_flags": ("win", "ignore"), "schedule": ("wsd", "cosine"), "optimizer": ("muon", "adamw"), "progress_by": ("clock", "steps")}
-    for flag, allowed in choices.items():
-        value = getattr(hp, flag)
-        if value not in allowed:
-            raise ValueError(f"--{flag} must be one of {', '.join(allowed)}, got {value!r}")
-    if hp.time_limit_min <= 0 or hp.max_steps <= 0:
-        raise ValueError("--time_limit_min and --max_steps must be positive")
-    if not 0.0 < hp.decay_frac <= 1.0:
-        raise ValueError(f"--decay_frac must be in (0, 1] so the last step runs at the floor LR, got {hp.decay_frac}")
-    return data
-
-
-def setup(hp, model_switches, data, rank, world, device, say):
-    """Model, optimizers, loader and the step-0 checkpoint, still before the clock."""
-    if hp.batch_tokens < 0:
-        hp.batch_tokens = 524288 if device.type == "cuda" else 0
-    if hp.batch_tokens > 0:  # the recipe is global: world size only changes the accumulation
-        hp.grad_accum_steps = max(1, round(hp.batch_tokens / (world * hp.batch_size * hp.seq_len)))
-
-    torch.manual_seed(hp.seed)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    shape = {k: getattr(hp, k) for k in ("n_layer", "n_head", "n_embd") if getattr(hp, k) is not None}
-    if shape and hp.shape_flags == "ignore":
-        say(f"ignoring shape flags {shape} (--shape_flags ignore): --model {hp.model} decides")
-        shape = {}
-    if not shape:  # explicit shape flags win over --model unless --shape_flags ignore
-        if hp.model == "auto":
-            hp.model, hp.auto_efficiency, hp.tokens_per_param = choose_shape(
-                device, world, budget_s=hp.time_limit_min * 60, vocab_size=hp.vocab_size, seq_len=hp.seq_len,
-                batch_size=hp.batch_size, bf16=hp.autocast == "bf16", efficiency=hp.auto_efficiency,
-                tokens_per_param=hp.tokens_per_param, say=say)
-        shape = shape_config(hp.model)
-        hp.n_layer, hp.n_head, hp.n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
-    raw_model = get_model({"vocab_size": hp.vocab_size, "seq_len": hp.seq_len, **shape, **model_switches}).to(device)
-    optimizers = build_optimizers(raw_model, use_muon=hp.optimizer == "muon", hidden_adamw_lr=hp.adamw_lr,
-                                  muon_lr=hp.muon_lr, embed_lr=hp.embed_lr, head_lr=hp.head_lr,
-                                  scalar_lr=hp.scalar_lr, muon_momentum=hp.muon_momentum_start,
-                                  weight_decay=hp.weight_decay,
-                                  tied_head=raw_model.wte.weight if raw_model.config.tie_embeddings else None)
-    model = torch.compile(raw_model) if hp.compile else raw_model
-    if world > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    config = {**dataclasses.asdict(hp), **dataclasses.asdict(raw_model.config)}
-    if rank == 0:  # a valid checkpoint exists from the start, and the path is proven writable
-        save_checkpoint({"model": cpu_state_dict(raw_model), "config": config, "step": 0, "tokens": 0}, hp.checkpoint_path)
-    loader = BatchLoader(data.train, hp.seq_len, hp.batch_size, rank, world, seed=hp.seed, device=device,
-                         doc_aligned=hp.doc_aligned, bos_id=data.bos_id)
-    val = val_batches(data.val, hp.seq_len, hp.batch_size, rank, world, max_tokens=hp.val_eval_tokens)
-    return dict(raw_model=raw_model, model=model, optimizers=optimizers, loader=loader, val=val, config=config)
-
-
-def train(hp, rank, world, device, say, raw_model, model, optimizers, loader, val, config):
-    master = rank == 0
+def train(run):
+    hp, plan, device = run.hp, run.plan, run.device
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if hp.autocast == "bf16" else nullcontext()
-    step_tokens = world * hp.batch_size * hp.seq_len * hp.grad_accum_steps
-    flops_per_token = raw_model.flops_per_token(hp.seq_len)
-    peak = (hp.peak_tflops * 1e12 if hp.peak_tflops > 0 else peak_flops(device)) * world
-    say(f"model: {raw_model.num_params() / 1e6:.1f}M params ({raw_model.num_params(True) / 1e6:.1f}M non-embedding), "
-        f"{flops_per_token / 1e9:.3f} GFLOPs/token | {world} x {device.type} | {step_tokens} tokens/step = "
-        f"{world} x {hp.batch_size} x {hp.seq_len} x {hp.grad_accum_steps} accum | compile {hp.compile} | "
-        f"autocast {hp.autocast} | budget {hp.time_limit_min} min, max_steps {hp.max_steps}")
-    checkpointer = Checkpointer(hp.checkpoint_path)
-    meta = lambda step: {"config": config, "step": step, "tokens": step * step_tokens}
-    metrics = open(hp.metrics_path, "w") if master else None
-
-    def emit(row):
-        if master:
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-
-    stop_signal = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop_signal.append(signum))  # finish the step, save
-    signal.signal(signal.SIGINT, lambda signum, frame: stop_signal.append(signum))
-
-    budget = hp.time_limit_min * 60.0
-    bar = tqdm(total=round(budget), unit="s", disable=not master, dynamic_ncols=True, mininterval=1.0)
+    # periodic validation stops where the decay starts: the final one measures the end, and the decay runs unbroken
+    clock = Clock(
+        run.budget_s,
+        hp.max_steps,
+        plan.grad_accum_steps,
+        hp.log_every_s,
+        may_replan=hp.batch_tokens == "auto",
+        val_every_s=hp.val_every_min * 60,
+        val_until_s=run.budget_s * (1 - hp.decay_frac),
+    )
+    log = Logger(run, clock)
     gc.collect()
     gc.disable()  # a collection pause on one rank stalls all of them
     loss_sum = torch.zeros((), device=device)
-    step, steps_since_sync, lr_frac, progress = 0, 0, 0.0, 0.0
-    last_step, next_sync = hp.max_steps - 1, 0  # last_step is replanned from the measured step time
-    step_time, compile_s = None, 0.0
-    sync_step, sync_elapsed, last_save, last_val = 0, 0.0, 0.0, 0.0
-    stop_reason = "max_steps"
-    t0 = time.perf_counter()  # the clock starts right before the first forward pass
+    step, tokens, done, lr_frac, paused, val_s, last_save, last_val = 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    stop_reason = None
+    t0 = time.perf_counter()  # the clock starts right before the first forward pass, on every rank together
+    clock_start_unix = time.time()
     while True:
-        if step >= next_sync or step > last_step:
-            # one collective per sync: the slowest rank's clock, any stop signal, the mean loss
-            stats = torch.tensor([time.perf_counter() - t0, float(bool(stop_signal))], device=device)
-            mean_loss = loss_sum / max(steps_since_sync, 1)
-            if world > 1:
+        if step >= clock.sync_at or step > clock.last:
+            # --- host sync: one all-reduce for the slowest rank's clock, its pauses and any stop signal ---
+            stats = torch.tensor([time.perf_counter() - t0, paused, val_s, float(bool(run.stop_signal))], device=device)
+            mean_loss = loss_sum / max(step - clock.prev_step, 1)
+            if run.world > 1:
                 dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                dist.all_reduce(mean_loss)
-                mean_loss /= world
-            elapsed, signalled = stats.tolist()
-            train_loss = mean_loss.item()
-            if step == 1:
-                compile_s = elapsed  # the first step carries compilation and warm-up
-            elif step > 1:
-                interval = (elapsed - sync_elapsed) / (step - sync_step)
-                step_time = interval if step_time is None else 0.5 * step_time + 0.5 * interval
-            if steps_since_sync:
-                if not math.isfinite(train_loss):
-                    say(f"stopping: non-finite training loss at step {step}; "
-                        f"{hp.checkpoint_path} keeps the last good weights")
-                    emit({"step": step, "elapsed_s": round(elapsed, 3), "error": "non-finite loss"})
-                    checkpointer.wait()
-                    sys.exit(1)
-                tok_s = steps_since_sync * step_tokens / max(elapsed - sync_elapsed, 1e-9)
-                row = {"step": step, "elapsed_s": round(elapsed, 3), "lr_frac": lr_frac, "train_loss": train_loss,
-                       "tokens": step * step_tokens, "tokens_per_s": round(tok_s)}
-                if peak:
-                    row["mfu"] = round(tok_s * flops_per_token / peak, 4)
-                emit(row)
-                bar.set_postfix(step=step, loss=f"{train_loss:.3f}", lr=f"{lr_frac:.2f}", tok_s=f"{tok_s:.3g}",
-                                **({"mfu": f"{row['mfu']:.1%}"} if peak else {}), refresh=False)
-                bar.update(min(round(elapsed), bar.total) - bar.n)
-            if signalled:
-                stop_reason = "signal"
+                dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+            elapsed, paused_all, val_s_all, signalled = stats.tolist()
+            log.row(step, tokens, elapsed, lr_frac, mean_loss.item())
+            stop_reason = "signal" if signalled else clock.sync(step, elapsed, paused_all, val_s_all)
+            log.notes()
+            if run.rank == 0:
+                log.failed_save(wait=False)
+            if stop_reason:
                 break
-            if step >= hp.max_steps:
-                break
-            # plan the rest: only steps that finish inside the budget are started
-            per_step = step_time if step_time is not None else elapsed / max(step, 1)
-            if step > 0 and elapsed + per_step > budget:
-                stop_reason = "time_limit"
-                break
-            if step_time is not None:  # plan pessimistically, with a step of slack: a slow step must not
-                # skip the final decay; steps that still fit after the planned last one run at the floor
-                slow = max(step_time, interval)
-                last_step = min(hp.max_steps - 1, step + int((budget - elapsed) / slow - 1.0) - 1)
-                next_sync = step + max(1, min(int(hp.log_every_s / step_time), (last_step - step) // 2))
-            else:
-                next_sync = step + 1  # steps 0 and 1 measure compile time, then the steady step time
             loss_sum.zero_()
-            steps_since_sync, sync_step, sync_elapsed = 0, step, elapsed
-            if master and hp.save_every_min > 0 and elapsed - last_save >= hp.save_every_min * 60:
-                checkpointer.save(raw_model, meta(step), background=True)
+            pause_start = time.perf_counter()  # validation and saves: planned by the clock, not steps
+            if run.rank == 0 and hp.save_every_min > 0 and elapsed - last_save >= hp.save_every_min * 60:
+                log.failed_save()
+                run.checkpointer.save(run.raw_model, log.meta(step, tokens), background=True)
                 last_save = elapsed
-            if hp.val_every_min > 0 and elapsed - last_val >= hp.val_every_min * 60:
-                emit({"step": step, "elapsed_s": round(elapsed, 3), "val_loss": evaluate(raw_model, val, device, amp)})
-                last_val = elapsed
-        # progress at the end of this step: the clock's forecast or the step limit, whichever is ahead;
-        # it never goes back, so steps that still fit after the planned last one stay at the floor
-        forecast = sync_elapsed + (step - sync_step + 1) * (step_time or 0.0)
-        if hp.progress_by == "steps":  # the starter's way: blind to the clock, kept to measure what it costs
-            progress = (step + 1) / hp.max_steps
-        else:
-            progress = 1.0 if step >= last_step else max(progress, forecast / budget, (step + 1) / hp.max_steps)
-        lr_frac, momentum = schedule(progress, hp)
-        for opt in optimizers:
+            if clock.validation_due(elapsed, last_val):
+                val_start = time.perf_counter()
+                val_loss = evaluate(run.raw_model, run.val, device, amp)
+                log.emit({"step": step, "elapsed_s": round(elapsed, 3), "tokens": tokens, "val_loss": val_loss})
+                val_s, last_val = time.perf_counter() - val_start, elapsed
+            paused += time.perf_counter() - pause_start
+
+        # --- one optimizer step ---
+        # the starter's way (progress_by steps) is blind to the clock: kept to measure what that costs
+        done = (step + 1) / hp.max_steps if hp.progress_by == "steps" else clock.progress(step, done)
+        lr_frac, momentum = schedule(done, hp)
+        for opt in run.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * lr_frac
                 if "momentum" in group:
                     group["momentum"] = momentum
-        for micro in range(hp.grad_accum_steps):
-            x, y = next(loader)
+        for micro in range(clock.accum):
+            x, y = next(run.loader)
             # gradients are all-reduced once per optimizer step, on the last micro-step
-            sync_grads = world == 1 or micro == hp.grad_accum_steps - 1
-            with nullcontext() if sync_grads else model.no_sync():
+            with run.model.no_sync() if run.world > 1 and micro < clock.accum - 1 else nullcontext():
                 with amp:
-                    _, loss = model(x, y)
-                (loss / hp.grad_accum_steps).backward()
-            loss_sum += loss.detach() / hp.grad_accum_steps
-        for opt in optimizers:
+                    _, loss = run.model(x, y, return_logits=False)
+                (loss / clock.accum).backward()
+            loss_sum += loss.detach() / clock.accum
+        for opt in run.optimizers:
             opt.step()
-        model.zero_grad(set_to_none=True)
+        run.model.zero_grad(set_to_none=True)
         step += 1
-        steps_since_sync += 1
+        tokens += run.world * plan.micro_batch * hp.seq_len * clock.accum
     gc.enable()
-    bar.close()
-    loader.close()
+    run.loader.close()
+    finish(run, log, clock, amp, step, tokens, time.perf_counter() - t0, lr_frac, stop_reason, clock_start_unix)
 
-    # after the clock: save first, then validate (a slow eval can never cost the checkpoint)
-    train_s = time.perf_counter() - t0
-    if master:
-        checkpointer.save(raw_model, meta(step), background=False)
-    say(f"saved {hp.checkpoint_path} at step {step} ({stop_reason}) after {train_s:.1f}s")
-    val_loss = evaluate(raw_model, val, device, amp)
-    emit({"step": step, "elapsed_s": round(train_s, 3), "val_loss": val_loss})
-    summary = {"summary": True, "steps": step, "tokens": step * step_tokens, "train_s": round(train_s, 3),
-               "tokens_per_s": round(step * step_tokens / max(train_s, 1e-9)), "compile_s": round(compile_s, 3),
-               "final_lr_frac": lr_frac, "stop_reason": stop_reason, "val_loss": val_loss,
-               "params": raw_model.num_params(), "world_size": world,
-               "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None}
-    emit(summary)
-    say(json.dumps(summary))
-    if master:
-        metrics.close()
+
+def finish(run, log, clock, amp, step, tokens, train_s, lr_frac, stop_reason, clock_start_unix):
+    """After the clock: save first, then validate (a slow eval can never cost the checkpoint), then the summary."""
+    hp, device = run.hp, run.device
+    saved = True
+    if run.rank == 0:
+        log.failed_save()
+        try:
+            run.checkpointer.save(run.raw_model, log.meta(step, tokens), background=False)
+            run.say(f"saved {hp.checkpoint_path} at step {step} ({stop_reason}) after {train_s:.1f}s")
+        except CheckpointError as e:
+            run.say(f"error: the final save failed: {e}")
+            saved = False
+    val_loss = evaluate(run.raw_model, run.val, device, amp)
+    log.emit({"step": step, "elapsed_s": round(train_s, 3), "tokens": tokens, "val_loss": val_loss})
+    first_clock = torch.tensor([clock_start_unix], device=device, dtype=torch.float64)
+    bad_windows = torch.tensor([run.loader.bad_windows], device=device)
+    if run.world > 1:
+        dist.all_reduce(first_clock, op=dist.ReduceOp.MIN)
+        dist.all_reduce(bad_windows)
+    summary = {
+        "summary": True,
+        "steps": step,
+        "tokens": tokens,
+        "train_s": round(train_s, 3),
+        "tokens_per_s": round(tokens / max(train_s, 1e-9)),
+        "compile_s": round(clock.compile_s, 3),
+        "final_lr_frac": lr_frac,
+        "stop_reason": stop_reason,
+        "val_loss": val_loss,
+        "params": run.raw_model.num_params(),
+        "world_size": run.world,
+        "budget_s": round(run.budget_s, 3),
+        "time_limit_min": hp.time_limit_min,
+        "grad_accum_steps": clock.accum,
+        "bad_windows": bad_windows.item(),
+        "step0_saved_unix": run.step0_saved_unix,
+        "clock_start_unix": first_clock.item(),
+        "plan": dataclasses.asdict(run.plan),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+    }
+    log.emit(summary)
+    run.say(json.dumps(summary))
+    log.close()
+    if not saved:
+        sys.exit(1)
+
+
+class Logger:
+    """Metrics rows (rank 0's file), the progress bar, the clock's notes and failed background saves."""
+
+    def __init__(self, run, clock):
+        self.run, self.clock = run, clock
+        self.peak = (run.hp.peak_tflops * 1e12 if run.hp.peak_tflops != "auto" else peak_flops(run.device)) * run.world
+        self.bar = tqdm(total=round(run.budget_s), unit="s", disable=run.rank != 0, dynamic_ncols=True, mininterval=1.0)
+        self.prev_tokens = 0
+
+    def emit(self, row):
+        if self.run.metrics is None:
+            return
+        try:
+            self.run.metrics.write(json.dumps(row) + "\n")
+            self.run.metrics.flush()
+        except OSError as e:  # a full disk must not end training: the checkpoint matters, the log does not
+            self.run.say(f"warning: cannot write {self.run.hp.metrics_path} ({e.strerror}); metrics rows stop here")
+            self.run.metrics = None
+
+    def row(self, step, tokens, elapsed, lr_frac, train_loss):
+        """The training row of a sync, if steps ran since the last one; a non-finite loss ends the run here."""
+        if step == self.clock.prev_step:
+            return
+        if not math.isfinite(train_loss):
+            self.run.say(
+                f"stopping: non-finite training loss at step {step}; {self.run.hp.checkpoint_path} keeps "
+                f"the last finite weights"
+            )
+            self.emit({"step": step, "elapsed_s": round(elapsed, 3), "error": "non-finite loss"})
+            self.run.checkpointer.wait()
+            sys.exit(1)
+        tok_s = (tokens - self.prev_tokens) / max(elapsed - self.clock.prev_elapsed, 1e-9)
+        self.prev_tokens = tokens
+        row = {
+            "step": step,
+            "elapsed_s": round(elapsed, 3),
+            "lr_frac": lr_frac,
+            "train_loss": train_loss,
+            "tokens": tokens,
+            "tokens_per_s": round(tok_s),
+        }
+        if self.peak:
+            row["mfu"] = round(tok_s * self.run.plan.flops_per_token / self.peak, 4)
+        self.emit(row)
+        self.bar.set_postfix(
+            step=step, loss=f"{train_loss:.3f}", lr=f"{lr_frac:.2f}", tok_s=f"{tok_s:.3g}", refresh=False
+        )
+        self.bar.update(min(round(elapsed), self.bar.total) - self.bar.n)
+
+    def notes(self):
+        for note in self.clock.notes:
+            self.run.say(note)
+        self.clock.notes.clear()
+
+    def meta(self, step, tokens):
+        return {"config": self.run.config, "step": step, "tokens": tokens}
+
+    def failed_save(self, wait=True):
+        """A background save that failed is said once; training goes on and the previous checkpoint stays."""
+        error = self.run.checkpointer.wait() if wait else self.run.checkpointer.poll()
+        if error:
+            self.run.say(f"warning: a background checkpoint save failed ({error}); training goes on")
+
+    def close(self):
+        self.bar.close()
+        if self.run.metrics is not None:
+            self.run.metrics.close()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Shapes come from model.py's get_model when it imports, else 12 layers of width 7
     python bench/bench_muon.py            # full default model (about 1.6 TFLOP of float32 per step)
     python bench/bench_muon.py --quick    # 2 layers, one timed step
 """
+
 import argparse
 import datetime
 import json
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from muon import Muon, _all_gather_single, _assign_to_ranks, _newtonschulz_flops, build_optimizers  # noqa: E402
+from muon import Muon, all_gather_flat, _assign_to_ranks, _newtonschulz_flops, build_optimizers  # noqa: E402
 
 
 def matrix_shapes(n_layer):
@@ -71,24 +72,32 @@ def time_share(params, owners, rank, warmup, steps):
         for p, buf in zip(others, buffers):
             buf.lerp_(p.grad, 0.05)
             p.add_(buf, alpha=-1e-3)
+
     return time_steps(step, warmup, steps)
 
 
 def gloo_worker(rank, world_size, port, shapes, width, threads, warmup, steps, out_path):
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=30),
+    )
     params = make_params(shapes)
     opt = Muon(params)
 
     def step():
         dist.barrier()  # every step starts together, so the slowest rank sets the time
         opt.step()
+
     send, gathered = torch.zeros(width), torch.empty(world_size * width)
 
     def exchange():  # the collective Muon.step runs, alone
         dist.barrier()
-        _all_gather_single(gathered, send)
+        all_gather_flat(gathered, send)
+
     seconds = torch.tensor([time_steps(step, warmup, steps), time_steps(exchange, 1, 3)], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -104,8 +113,9 @@ def time_gloo(shapes, width, threads, warmup, steps, world_size=2):
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "seconds.json")
-        mp.spawn(gloo_worker, args=(world_size, port, shapes, width, threads, warmup, steps, out_path),
-                 nprocs=world_size)
+        mp.spawn(
+            gloo_worker, args=(world_size, port, shapes, width, threads, warmup, steps, out_path), nprocs=world_size
+        )
         return json.loads(Path(out_path).read_text())
 
 
@@ -124,13 +134,17 @@ def main():
     numels = [torch.Size(s).numel() for s in shapes]
     costs = [_newtonschulz_flops(torch.Size(s)) for s in shapes]
     owners = _assign_to_ranks(costs, 2)
-    print(f"{len(shapes)} matrices, {sum(numels) / 1e6:.1f}M params, {5 * sum(costs) / 1e9:.0f} GFLOP of "
-          f"Newton-Schulz a step; {args.threads} thread(s) a process, {steps} timed step(s) after 1 warm-up; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(
+        f"{len(shapes)} matrices, {sum(numels) / 1e6:.1f}M params, {5 * sum(costs) / 1e9:.0f} GFLOP of "
+        f"Newton-Schulz a step; {args.threads} thread(s) a process, {steps} timed step(s) after 1 warm-up; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"
+    )
     for rank in range(2):
         share = [i for i, owner in enumerate(owners) if owner == rank]
-        print(f"  world 2, rank {rank} owns {len(share)} matrices, "
-              f"{sum(costs[i] for i in share) / sum(costs):.1%} of the Newton-Schulz flops")
+        print(
+            f"  world 2, rank {rank} owns {len(share)} matrices, "
+            f"{sum(costs[i] for i in share) / sum(costs):.1%} of the Newton-Schulz flops"
+        )
 
     params = make_params(shapes)
     single = time_steps(Muon(params).step, 1, steps)
@@ -143,8 +157,10 @@ def main():
         width = max(sum(n for n, owner in zip(numels, owners) if owner == rank) for rank in range(2))
         seconds, exchange = time_gloo(shapes, width, args.threads, 1, steps)
         print(f"world 2 gloo step, slowest rank {seconds * 1e3:9.1f} ms  ({single / seconds:.2f}x, exchange included)")
-        print(f"world 2 gloo exchange alone     {exchange * 1e3:9.1f} ms  "
-              f"(all_gather of {width / 1e6:.1f}M floats a rank)")
+        print(
+            f"world 2 gloo exchange alone     {exchange * 1e3:9.1f} ms  "
+            f"(all_gather of {width / 1e6:.1f}M floats a rank)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The benchmark scripts are not run here (they take minutes); these check that they start and parse flags."""
+
 import pathlib
 import subprocess
 import sys
@@ -12,7 +13,17 @@ def run(*args):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
-@pytest.mark.parametrize("script", ["bench/speedrun.py", "bench/throughput.py", "bench/bench_muon.py"])
+SCRIPTS = [
+    "bench/speedrun.py",
+    "bench/throughput.py",
+    "bench/bench_muon.py",
+    "bench/head_loss.py",
+    "bench/compile_time.py",
+    "bench/comm_bytes.py",
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_help(script):
     result = run(script, "--help")
     assert result.returncode == 0, result.stderr
@@ -32,7 +43,7 @@ def test_every_speedrun_variant_parses_in_train():
     import speedrun
     from train import parse_args
 
-    for name, flags in speedrun.VARIANTS.items():
+    for name, flags in {**speedrun.VARIANTS, **speedrun.CALIBRATION}.items():
         _, _, unknown = parse_args([*speedrun.SHAPE, *flags.split()])
         assert not unknown, (name, unknown)
 

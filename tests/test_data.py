@@ -1,16 +1,24 @@
 """Tests for data.py: file checks, rank-disjoint shuffled batches, validation split, synthetic entropy, CLI."""
-import sys
+
+import re
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import data  # noqa: E402
-from data import (BatchLoader, _doc_window_starts, check_token_files, find_token_files, load_token_data,  # noqa: E402
-                  synthetic_entropy_nats, synthetic_tokens, val_batches, write_synthetic)
+import data
+from data import (
+    BatchLoader,
+    _doc_window_starts,
+    check_token_files,
+    find_token_files,
+    load_token_data,
+    synthetic_entropy_nats,
+    synthetic_tokens,
+    val_batches,
+    write_synthetic,
+)
 
 torch.set_num_threads(1)
 
@@ -49,11 +57,27 @@ def epoch0_windows(loader):
 
 # --- file checks -------------------------------------------------------------------------------------------
 
+
 def test_missing_folder_and_no_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         find_token_files(tmp_path / "nope")
     write_tokens(tmp_path / "val.bin", np.arange(100))  # not a chunk file
     with pytest.raises(FileNotFoundError, match=r"no chunk_\*\.bin"):
+        find_token_files(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["broken_symlink", "folder"])
+def test_a_chunk_name_that_is_not_a_file_is_an_error(tmp_path, case):
+    write_tokens(tmp_path / "chunk_0001.bin", np.arange(100))
+    odd_one = tmp_path / "chunk_0002.bin"
+    if case == "folder":
+        odd_one.mkdir()
+    else:
+        odd_one.symlink_to(tmp_path / "staged" / "chunk_0002.bin")
+    error = FileNotFoundError if case == "broken_symlink" else ValueError
+    with pytest.raises(
+        error, match="chunk_0002.bin is " + ("a broken symlink" if error is FileNotFoundError else "a folder")
+    ):
         find_token_files(tmp_path)
 
 
@@ -63,13 +87,16 @@ def test_files_sorted_by_name(tmp_path):
     assert [p.name for p in find_token_files(tmp_path)] == ["chunk_0001.bin", "chunk_0002.bin", "chunk_0003.bin"]
 
 
-@pytest.mark.parametrize("case, match", [
-    ("odd", "odd size"),
-    ("short", "fewer than one window"),
-    ("id_at_start", ">= --vocab_size 1000"),
-    ("id_at_end", ">= --vocab_size 1000"),
-    ("id_small_file", ">= --vocab_size 1000"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("odd", "odd size"),
+        ("short", "fewer than one window"),
+        ("id_at_start", ">= --vocab_size 1000"),
+        ("id_at_end", ">= --vocab_size 1000"),
+        ("id_small_file", ">= --vocab_size 1000"),
+    ],
+)
 def test_bad_file_named_in_error(tmp_path, case, match):
     good = write_tokens(tmp_path / "chunk_0001.bin", np.arange(5000) % 1000)
     bad = tmp_path / "chunk_0002.bin"
@@ -106,7 +133,80 @@ def test_summary_and_bos_detection(tmp_path):
     assert not check_token_files([frequent], 32000, 255)["has_bos"]
 
 
+def sparse_bad_file(folder, n_tokens=1 << 21, n_bad=10, bad_id=40_000):
+    """The issue's case: a file of n_tokens good ids with n_bad ids of bad_id scattered through it."""
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 32000, n_tokens).astype("<u2")
+    positions = np.sort(rng.choice(n_tokens, n_bad, replace=False))
+    tokens[positions] = bad_id
+    write_tokens(folder / "chunk_0001.bin", tokens)
+    return positions
+
+
+def test_sparse_bad_ids_pass_the_sample_and_fail_the_full_scan(tmp_path, capsys):
+    positions = sparse_bad_file(tmp_path)
+    files = find_token_files(tmp_path)
+    assert check_token_files(files, 32000, 127, sample_tokens=1 << 14)["max_id"] < 32000  # the sample misses them
+    message = re.escape(
+        f"chunk_0001.bin holds 10 token ids >= --vocab_size 32000, the first (40000) at token {positions[0]:,}."
+    )
+    with pytest.raises(ValueError, match=message):
+        check_token_files(files, 32000, 127, full=True)
+    with pytest.raises(SystemExit, match=message):
+        data.data_cli(["check", str(tmp_path), "--full", "--seq_len", "127"])
+    stats = data._id_stats(data._file_chunks(files[0], chunk_tokens=1000), 32000)  # positions across reads
+    assert stats["bad"] == 10 and stats["first_bad"] == (40000, positions[0]) and stats["seen"] == 1 << 21
+
+
+class RecordingLoader(BatchLoader):
+    """A BatchLoader that records the start of every block it reads."""
+
+    def __init__(self, *args, **kwargs):
+        self.read_starts = []
+        super().__init__(*args, **kwargs)
+
+    def _read(self, index, start, end):
+        self.read_starts.append(start)
+        return super()._read(index, start, end)
+
+
+def test_loader_drops_and_counts_windows_with_bad_ids_and_warns_once(tmp_path, capfd):
+    positions = sparse_bad_file(tmp_path)
+    window, block = 128, 64 * 128
+    arrays = [np.memmap(tmp_path / "chunk_0001.bin", dtype="<u2", mode="r")]
+    all_windows = np.asarray(arrays[0]).reshape(-1, window)
+    bad_windows = set((positions // window).tolist())
+    good = np.delete(all_windows, sorted(bad_windows), axis=0)
+    with RecordingLoader(arrays, window - 1, 64, 0, 1, vocab_size=32000) as loader:
+        served = []
+        while loader.epoch == 0:  # through the batch that completes epoch 0 with epoch 1's first windows
+            served.append(full_windows(*next(loader)))
+    served = np.concatenate(served)
+    assert served.max() < 32000
+    epoch0 = np.unique(served[: len(good)], axis=0)
+    assert len(epoch0) == len(good) and np.array_equal(epoch0, np.unique(good, axis=0))  # every good window, once
+    read_bad = [w for start in loader.read_starts for w in bad_windows if start <= w * window < start + block]
+    assert loader.bad_windows == len(read_bad) >= len(bad_windows)  # the reading thread runs ahead into epoch 1
+    warnings = capfd.readouterr().err.strip().splitlines()
+    assert len(warnings) == 1, warnings
+    first = next(p for start in loader.read_starts for p in positions if start <= p < start + block)
+    assert warnings[0] == (
+        f"warning: rank 0: {arrays[0].filename} at token {first:,} holds id 40000 >= vocab_size "
+        f"32000; every window holding such an id is skipped and counted (said once)."
+    )
+
+
+def test_bad_id_in_the_validation_tokens_is_an_error(tmp_path, monkeypatch):
+    tokens = np.arange(20_000) % 1000
+    tokens[-10] = 5000  # in the held-out tail
+    write_tokens(tmp_path / "chunk_0001.bin", tokens)
+    monkeypatch.setattr(data, "_sample_file", lambda path, *args: np.fromfile(path, dtype="<u2", count=1000))
+    with pytest.raises(ValueError, match="validation tokens .* hold ids >= --vocab_size 1000 .*token 990"):
+        load_token_data(tmp_path, 1000, 63, val_tokens=1000)
+
+
 # --- train / validation split ---------------------------------------------------------------------------------
+
 
 def test_validation_is_the_tail_of_the_last_file_and_never_trained_on(tmp_path):
     arrays = position_files(tmp_path, [6000, 5000, 4000])
@@ -142,6 +242,7 @@ def test_synthetic_default_data_is_deterministic():
 
 # --- BatchLoader ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_ranks_read_disjoint_windows_once_per_epoch(tmp_path, world_size):
     window, block_windows = 16, 4  # whole blocks only, so every epoch-0 window can be counted
@@ -150,8 +251,9 @@ def test_ranks_read_disjoint_windows_once_per_epoch(tmp_path, world_size):
     per_rank = sum(blocks) // world_size
     seen = []
     for rank in range(world_size):
-        with BatchLoader(arrays, window - 1, block_windows, rank, world_size, seed=7,
-                         block_windows=block_windows) as loader:
+        with BatchLoader(
+            arrays, window - 1, block_windows, rank, world_size, seed=7, block_windows=block_windows
+        ) as loader:
             windows = epoch0_windows(loader)
         assert len(windows) == per_rank * block_windows
         assert np.all(np.diff(windows, axis=1) == 1)  # each window is one contiguous stretch of a file
@@ -178,7 +280,7 @@ def test_loader_is_deterministic_shuffled_and_wraps(tmp_path):
         epoch0 = epoch0_windows(loader)
         assert loader.epoch == 1  # ran past the data: a new epoch, not StopIteration
         epoch1 = np.concatenate([full_windows(*next(loader)) for _ in range(len(epoch0) // 8 - 1)])
-    assert not np.array_equal(epoch0[:len(epoch1)], epoch1)  # reshuffled
+    assert not np.array_equal(epoch0[: len(epoch1)], epoch1)  # reshuffled
 
 
 def test_loader_reads_memmaps_at_their_offset(tmp_path):
@@ -193,17 +295,60 @@ def test_loader_reads_memmaps_at_their_offset(tmp_path):
         assert np.all(np.diff(windows, axis=1) == 1) and np.all((windows[:, 0] - first) % 32 == 0)
 
 
-def test_loader_prefetches_in_the_background(tmp_path):
-    arrays = position_files(tmp_path, [20_000])
-    with BatchLoader(arrays, 63, 4, 0, 1, prefetch=3) as loader:
-        deadline = time.monotonic() + 10
-        while loader._queue.qsize() < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert loader._queue.qsize() == 3  # ready before anyone asked
-        x, y = next(loader)
-        assert x.shape == y.shape == (4, 63) and x.device.type == "cpu"
+def test_prefetch_serves_its_depth_through_a_stalled_read(tmp_path, monkeypatch):
+    # the reading thread fills `depth` batches ahead; then one read stalls for a second: the queued batches are
+    # served at once, and only the batch behind the stalled read waits (one read per batch: block = batch)
+    arrays = position_files(tmp_path, [100_000])
+    stall, reads = 1.0, []
+    read = BatchLoader._read
+
+    def slow_read(self, *args):
+        reads.append(1)
+        if len(reads) == 26:  # the first read after 25 batches are queued
+            time.sleep(stall)
+        return read(self, *args)
+
+    monkeypatch.setattr(BatchLoader, "_read", slow_read)
+    with BatchLoader(arrays, 31, 4, 0, 1, prefetch_tokens=25 * 4 * 31, block_windows=4) as loader:
+        assert loader.depth == 25
+        time.sleep(1.0)  # the thread fills the queue in the background, nobody asking
+        waits = []
+        for _ in range(loader.depth + 1):
+            asked = time.perf_counter()
+            x, y = next(loader)
+            waits.append(time.perf_counter() - asked)
+        assert x.shape == y.shape == (4, 31) and x.device.type == "cpu"
+    assert sum(waits[: loader.depth]) < stall / 4  # served without waiting
+    assert waits[-1] >= stall / 2  # the batch behind the stalled read waited for it
     with pytest.raises(RuntimeError, match="closed"):
         next(loader)
+
+
+def test_served_batches_are_the_callers_own(tmp_path):
+    arrays = position_files(tmp_path, [50_000])
+    with BatchLoader(arrays, 15, 4, 0, 1, block_windows=4) as loader:
+        served = [(x, x.clone()) for x, _ in (next(loader) for _ in range(5 * (loader.depth + 2)))]
+    assert all(torch.equal(x, at_serving) for x, at_serving in served)  # no ring slot reused under the caller
+    assert len({x[0, 0].item() for x, _ in served}) == len(served)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_batches_survive_a_lagging_stream(tmp_path):
+    """Pinned ring slots are refilled only after their host-to-device copy ran: the stream is kept busy so the
+    copies run long after next() returned, while the reading thread races ahead through the ring."""
+    arrays = position_files(tmp_path, [200_000])
+    with BatchLoader(arrays, 63, 8, 0, 1, block_windows=8) as on_cpu:
+        expected = [next(on_cpu)[0] for _ in range(40)]
+    busy = torch.randn(2048, 2048, device="cuda")
+    with BatchLoader(arrays, 63, 8, 0, 1, device="cuda", prefetch_tokens=2 * 8 * 63, block_windows=8) as on_gpu:
+        assert on_gpu._ring.is_pinned() and len(on_gpu._ring) == on_gpu.depth + 2 == 4
+        served = []
+        for _ in range(40):
+            for _ in range(5):  # ~ms of queued work ahead of each copy
+                busy = (busy @ busy).tanh_()
+            served.append(next(on_gpu)[0])
+        torch.cuda.synchronize()
+    assert all(torch.equal(x.cpu(), want) for x, want in zip(served, expected))
 
 
 def test_doc_window_starts_is_the_greedy_chain():
@@ -231,8 +376,9 @@ def test_doc_aligned_windows_start_at_bos(tmp_path, world_size):
     arrays = [np.memmap(tmp_path / "chunk_0001.bin", dtype="<u2", mode="r")]
     seen = []
     for rank in range(world_size):
-        with BatchLoader(arrays, 31, 8, rank, world_size, doc_aligned=True, bos_id=data.BOS_ID,
-                         block_windows=8) as loader:
+        with BatchLoader(
+            arrays, 31, 8, rank, world_size, doc_aligned=True, bos_id=data.BOS_ID, block_windows=8
+        ) as loader:
             windows = epoch0_windows(loader)
         assert np.all(windows[:, 0] == data.BOS_ID)
         positions = np.where(windows == data.BOS_ID, -1, windows - 2)
@@ -255,6 +401,7 @@ def test_too_few_blocks_for_the_ranks(tmp_path):
 
 # --- validation batches ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_val_batches_equal_counts_disjoint_and_fixed(world_size):
     val = np.arange(2, 2 + 13 * 64 + 17).astype(np.uint16)  # 13 windows of 64 and a ragged remainder
@@ -272,6 +419,7 @@ def test_val_batches_equal_counts_disjoint_and_fixed(world_size):
 
 
 # --- synthetic data -------------------------------------------------------------------------------------------
+
 
 def conditional_entropy_nats(tokens):
     """Plug-in estimate of H(next token | current token)."""
@@ -307,14 +455,14 @@ def test_synthetic_is_deterministic_and_parts_differ(tmp_path):
 
 # --- CLI ------------------------------------------------------------------------------------------------------
 
+
 def test_cli_synth_check_bench(tmp_path, capsys):
     data.data_cli(["synth", str(tmp_path), "--tokens", "2e5", "--chunk_tokens", "1e5", "--n_states", "300"])
     assert [p.name for p in find_token_files(tmp_path)] == ["chunk_0001.bin", "chunk_0002.bin"]
     data.data_cli(["check", str(tmp_path)])
     out = capsys.readouterr().out
     assert "ok: 2 files, 200,000 tokens" in out and ": detected" in out
-    data.data_cli(["bench", str(tmp_path), "--seq_len", "63", "--batch_size", "4", "--batches", "5",
-                   "--matmul", "32"])
+    data.data_cli(["bench", str(tmp_path), "--seq_len", "63", "--batch_size", "4", "--batches", "5", "--matmul", "32"])
     out = capsys.readouterr().out
     assert "tokens/s" in out and "with loader" in out
     with pytest.raises(SystemExit, match="error: .*odd size"):

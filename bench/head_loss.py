@@ -1,0 +1,127 @@
+"""Head + loss: full float32 logits (forward(idx, targets)) against the chunked head_loss (return_logits=False).
+
+    python bench/head_loss.py [--rounds 7] [--threads 1]
+
+1. ms per step at the bench shape (4 layers, width 128, 4 heads, seq 256, 8 sequences, vocab 32,000): forward +
+   backward of the whole model, no optimizer step, for the default and the starter-like model, each through both
+   paths. One process, the four alternate round by round; best and median of --rounds.
+2. Peak memory of one forward + backward at 8 x 1024 tokens, vocab 32,000: the CPU allocator's live bytes, read
+   from the profiler's memory events (profile_memory=True), for the whole step and for head + loss alone, i.e. the
+   highest live bytes after the final norm returns, minus those live at that moment.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from model import get_model  # noqa: E402
+
+SHAPE = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 32000}
+# bench/speedrun.py's `starter` variant, model flags only
+STARTER = {
+    "norm": "layer",
+    "pos": "learned",
+    "mlp_act": "gelu",
+    "qk_norm": False,
+    "logit_softcap": 0.0,
+    "value_embeds": False,
+    "x0_mix": False,
+    "resid_scale": False,
+    "unet_skips": False,
+    "zero_init_proj": False,
+    "embed_norm": False,
+    "tie_embeddings": True,
+}
+MODELS = {"default": {}, "starter": STARTER}
+PATHS = {"full logits": True, "chunked": False}  # the value of return_logits
+
+
+def batch(B, T, seed=0):
+    tokens = torch.randint(0, SHAPE["vocab_size"], (B, T + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step(model, x, y, return_logits):
+    model.zero_grad(set_to_none=True)
+    model(x, y, return_logits=return_logits)[1].backward()
+
+
+def step_times(rounds, seq_len=256, batch_size=8):
+    torch.manual_seed(0)
+    models = {name: get_model({**SHAPE, "seq_len": seq_len, **flags}) for name, flags in MODELS.items()}
+    x, y = batch(batch_size, seq_len)
+    runs = {(m, p): [] for m in models for p in PATHS}
+    for r in range(rounds + 1):  # round 0 warms up
+        for (m, p), times in runs.items():
+            start = time.perf_counter()
+            train_step(models[m], x, y, PATHS[p])
+            if r:
+                times.append(1000 * (time.perf_counter() - start))
+    return runs
+
+
+def peak_bytes(model, x, y, return_logits):
+    """(whole step, head + loss) peak live bytes above the start of each: CPU allocator events from the profiler,
+    whose running total counts what was allocated while it ran (the gradients included)."""
+    train_step(model, x, y, return_logits)  # warm-up
+    model.zero_grad(set_to_none=True)
+
+    def mark_head(*_):
+        with torch.profiler.record_function("head starts"):
+            pass
+
+    hook = model.norm_f.register_forward_hook(mark_head)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(x, y, return_logits=return_logits)[1].backward()
+    hook.remove()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        events = json.loads(pathlib.Path(tmp, "trace.json").read_text())["traceEvents"]
+    head_start = min(e["ts"] for e in events if e.get("name") == "head starts")
+    memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]")
+    at_head = max([total for ts, total in memory if ts <= head_start], default=0)
+    after_head = [total for ts, total in memory if ts > head_start]
+    return max(total for _, total in memory), max(after_head) - at_head
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7, help="timed steps of each model and path")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared box)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    print(f"ms per forward + backward, seq 256 x 8 sequences, {args.threads} thread(s), {args.rounds} rounds")
+    runs = step_times(args.rounds)
+    starter = {p: min(runs["starter", p]) for p in PATHS}
+    print(f"{'model':<9} {'path':<12} {'best':>7} {'median':>7} {'/ starter full':>15} {'/ starter chunked':>18}")
+    for (m, p), times in runs.items():
+        best = min(times)
+        print(
+            f"{m:<9} {p:<12} {best:7.0f} {statistics.median(times):7.0f} {best / starter['full logits']:14.2f}x "
+            f"{best / starter['chunked']:17.2f}x"
+        )
+
+    print("\npeak live MB of one forward + backward, default model, seq 1024 x 8 sequences")
+    torch.manual_seed(0)
+    model = get_model({**SHAPE, "seq_len": 1024})
+    x, y = batch(8, 1024)
+    peaks = {p: peak_bytes(model, x, y, return_logits) for p, return_logits in PATHS.items()}
+    print(f"{'path':<12} {'step':>8} {'head+loss':>10}")
+    for p, (step, head) in peaks.items():
+        print(f"{p:<12} {step / 2**20:8.0f} {head / 2**20:10.0f}")
+    (full_step, full_head), (chunk_step, chunk_head) = peaks.values()
+    print(f"cut: step {full_step / chunk_step:.1f}x, head+loss {full_head / chunk_head:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

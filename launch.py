@@ -1,0 +1,337 @@
+"""Before the clock: input checks agreed across ranks, the run plan, the model on its devices, the step-0
+checkpoint, the SLURM-aware budget and one of each collective. train.py calls launch() once; the loop then reads
+the Run it returns and nothing else.
+
+Ranks agree before anything is written: a check that can differ per rank (a node's staged data, a path) is
+followed by an all-reduce of "ok", so one rank's error stops every rank at once instead of hanging a collective.
+"""
+
+import dataclasses
+import datetime
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import get_model
+from data import SYNTH_STATES, BatchLoader, load_token_data, val_batches
+from muon import all_gather_flat, build_optimizers
+from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
+from checkpoint import CheckpointError, Checkpointer, check_writable
+
+
+@dataclass
+class Run:
+    """Everything the loop reads, built and checked before the clock."""
+
+    hp: object  # train.Hyperparameters, every "auto" resolved
+    plan: RunPlan
+    budget_s: float
+    rank: int
+    world: int
+    device: torch.device
+    raw_model: torch.nn.Module
+    model: torch.nn.Module  # raw_model, or its DDP wrapper
+    optimizers: list
+    loader: BatchLoader
+    val: list
+    config: dict  # what checkpoints store: the hyperparameters, the plan and model.py's config
+    checkpointer: Checkpointer
+    metrics: object  # rank 0's locked metrics file, else None
+    stop_signal: list
+    step0_saved_unix: float
+    say: object
+
+
+def launch(hp, model_switches, stop_signal, say):
+    """Everything before the clock, in order: process group, checks, plan, model, step-0 save, warm collectives."""
+    rank, world, local_rank = (
+        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
+    )
+    cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        timeout = datetime.timedelta(minutes=hp.collective_timeout_min)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
+    hp = resolve(hp, device)
+    data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, say)
+    raw_model, model, optimizers = build_model(hp, plan, model_switches, device, world)
+    config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(raw_model.config)}
+    checkpointer = Checkpointer(hp.checkpoint_path)
+    error, saved_unix = None, 0.0
+    if rank == 0:  # a valid checkpoint is on disk before any rank's clock starts
+        try:
+            checkpointer.save(raw_model, {"config": config, "step": 0, "tokens": 0}, background=False)
+            saved_unix = time.time()
+        except CheckpointError as e:
+            error = f"error: {e}"
+    if not agree(error is None, device, world):
+        fail(error or "error: the step-0 checkpoint could not be written; see rank 0's message")
+    budget_s = training_budget(hp, rank, device, world, say)
+    say(f"plan: {plan.line()}")
+    say(
+        f"{world} x {device.type} | compile {hp.compile} | autocast {hp.autocast} | grad reduce {hp.grad_reduce} | "
+        f"budget {budget_s:.0f} s, max_steps {hp.max_steps}"
+    )
+    if metrics is not None:
+        metrics.truncate(0)
+    if world > 1:
+        warm_collectives(device)  # ends in a barrier: every rank starts its clock right after it
+    return Run(
+        hp,
+        plan,
+        budget_s,
+        rank,
+        world,
+        device,
+        raw_model,
+        model,
+        optimizers,
+        loader,
+        val,
+        config,
+        checkpointer,
+        metrics,
+        stop_signal,
+        saved_unix,
+        say,
+    )
+
+
+def checked_inputs(hp, model_switches, rank, world, device, say):
+    """Data, validation, paths, the plan and the loader, agreed across ranks; nothing written yet."""
+    try:  # data and paths may differ per rank (a node's staged copy)
+        data, val = check_inputs(hp, rank, world)
+        error = None
+    except (ValueError, FileNotFoundError) as e:
+        error = f"error: {e}"
+    if not agree(error is None, device, world):
+        fail(error or f"error: another rank's input checks failed (rank {rank} passed); see that rank's message")
+    say(f"data: {data.source}")
+    try:  # the plan's one collective comes first, so a failure below cannot pair with another rank's collective
+        plan = build_plan(hp, model_switches, device, world, say)
+        loader = BatchLoader(
+            data.train,
+            hp.seq_len,
+            plan.micro_batch,
+            rank,
+            world,
+            seed=hp.seed,
+            device=device,
+            doc_aligned=hp.doc_aligned,
+            bos_id=data.bos_id,
+            vocab_size=hp.vocab_size,
+        )
+        metrics = lock_metrics(hp.metrics_path) if rank == 0 else None
+        error = None
+    except ValueError as e:
+        error = f"error: {e}"
+    if not agree(error is None, device, world):
+        fail(error or f"error: another rank's checks failed (rank {rank} passed); see that rank's message")
+    return data, val, plan, loader, metrics
+
+
+def build_model(hp, plan, model_switches, device, world):
+    """(the plain model, what the loop calls: compiled per block and DDP-wrapped as configured, optimizers)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(hp.seed)
+    shape = {k: getattr(plan, k) for k in ("n_layer", "n_head", "n_embd")}
+    raw_model = get_model({"vocab_size": hp.vocab_size, "seq_len": hp.seq_len, **shape, **model_switches}).to(device)
+    tied_head = raw_model.wte.weight if raw_model.config.tie_embeddings else None
+    optimizers = build_optimizers(
+        raw_model,
+        use_muon=hp.optimizer == "muon",
+        hidden_adamw_lr=hp.adamw_lr,
+        muon_lr=hp.muon_lr,
+        embed_lr=hp.embed_lr,
+        head_lr=hp.head_lr,
+        scalar_lr=hp.scalar_lr,
+        muon_momentum=hp.muon_momentum_start,
+        weight_decay=hp.weight_decay,
+        tied_head=tied_head,
+    )
+    if hp.compile:  # each block on its own: identical blocks share one graph, and DDP's buckets split nothing
+        torch._dynamo.config.optimize_ddp = False
+        for block in raw_model.blocks:
+            block.compile(fullgraph=True, dynamic=False)
+    model = raw_model
+    if world > 1:
+        model = DDP(
+            raw_model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
+        if hp.grad_reduce == "bf16":
+            model.register_comm_hook(None, bf16_grad_hook)
+    return raw_model, model, optimizers
+
+
+def resolve(hp, device):
+    """The run-independent "auto" values made concrete (the plan resolves the rest)."""
+    cuda = device.type == "cuda"
+    data_dir = hp.data_dir
+    if data_dir == "auto":
+        data_dir = "/home/data" if os.path.isdir("/home/data") else None
+    vocab = hp.vocab_size if hp.vocab_size != "auto" else (32000 if data_dir or hp.dry_run else SYNTH_STATES)
+    metrics = hp.metrics_path
+    if metrics == "auto":
+        metrics = os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl")
+    return dataclasses.replace(
+        hp,
+        data_dir=data_dir,
+        vocab_size=vocab,
+        metrics_path=metrics,
+        val_file=None if hp.val_file == "auto" else hp.val_file,
+        val_eval_tokens=hp.val_eval_tokens if hp.val_eval_tokens != "auto" else (hp.val_tokens if cuda else 65536),
+        compile=cuda if hp.compile == "auto" else hp.compile,
+        autocast=("bf16" if cuda else "none") if hp.autocast == "auto" else hp.autocast,
+    )
+
+
+def lock_metrics(path):
+    """Open the metrics file for this run alone: a second run on the same path is an error, not mixed rows."""
+    handle = open(path, "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise ValueError(
+            f"--metrics_path {path} is in use by another running train.py; give this run another "
+            f"--checkpoint_path or --metrics_path"
+        ) from None
+    return handle
+
+
+def check_inputs(hp, rank, world):
+    """Data, validation windows and paths: checked, nothing written."""
+    data = load_token_data(hp.data_dir, hp.vocab_size, hp.seq_len, hp.val_tokens, hp.val_file)
+    val = val_batches(data.val, hp.seq_len, hp.batch_size, rank, world, max_tokens=hp.val_eval_tokens)
+    check_writable(hp.checkpoint_path, "checkpoint_path")
+    check_writable(hp.metrics_path, "metrics_path")
+    return data, val
+
+
+def agree(ok, device, world):
+    """True when every rank is ok: one rank's bad input (a node's staged data) stops all of them now."""
+    if world == 1:
+        return ok
+    flag_tensor = torch.tensor([float(ok)], device=device)
+    dist.all_reduce(flag_tensor, op=dist.ReduceOp.MIN)
+    return flag_tensor.item() == 1.0
+
+
+def build_plan(hp, model_switches, device, world, say):
+    """The run plan from this machine's measured speed, or from --peak_tflops/--world_size for a dry run."""
+    kind = device.type
+    world = hp.world_size if hp.dry_run and hp.world_size != "auto" else world
+    stated = hp.dry_run and hp.peak_tflops != "auto"
+    rate = hp.peak_tflops * 1e12 if stated else agreed_matmul_rate(device, world if dist.is_initialized() else 1)
+    if stated and hp.device_memory_gib == "auto":
+        raise ValueError("--dry_run with --peak_tflops plans a device that is not here: give --device_memory_gib too")
+    memory = hp.device_memory_gib * 2**30 if hp.device_memory_gib != "auto" else device_memory(device)
+    shape = {k: getattr(hp, k) for k in ("n_layer", "n_head", "n_embd") if getattr(hp, k) != "auto"}
+    if shape and hp.shape_flags == "ignore":
+        say(f"ignoring shape flags {shape} (--shape_flags ignore): --model {hp.model} decides")
+        shape = {}
+    if shape:
+        shape = {**get_model({"vocab_size": hp.vocab_size, **shape}).config.__dict__, **shape, **model_switches}
+    ratio = TOKENS_PER_PARAM[kind] if hp.tokens_per_param == "auto" else hp.tokens_per_param
+    plan, table = make_plan(
+        model=hp.model,
+        shape=shape,
+        tokens_per_param=ratio,
+        kind=kind,
+        world_size=world,
+        budget_s=hp.time_limit_min * 60,
+        max_steps=hp.max_steps,
+        seq_len=hp.seq_len,
+        vocab_size=hp.vocab_size,
+        batch_size=hp.batch_size,
+        micro_batch=None if hp.micro_batch == "auto" else hp.micro_batch,
+        batch_tokens=None if hp.batch_tokens == "auto" else hp.batch_tokens,
+        matmul_rate=rate,
+        efficiency=AUTO_EFFICIENCY[kind] if hp.auto_efficiency == "auto" else hp.auto_efficiency,
+        memory_bytes=memory,
+        bf16=hp.autocast == "bf16",
+    )
+    if table:
+        say(
+            f"model auto: {rate / 1e12:.3g} TFLOP/s x efficiency {plan.efficiency} x {world} ranks x "
+            f"{hp.time_limit_min:g} min; want >= {ratio:g} tokens per block param"
+        )
+        for row in table:
+            say(
+                f"  {'->' if row.model == plan.model else '  '} {row.model:>9}: {row.block_params / 1e6:8.2f}M block "
+                f"params, {row.tokens / 1e9:9.4g}B tokens, {row.tokens_per_param:10.3g} tokens/param"
+                f"{'' if row.fits else ', does not fit in memory'}"
+            )
+    if not plan.fits:
+        say(
+            f"warning: the plan forecasts {plan.memory_gib:.3g} GiB per device, more than the "
+            f"{memory / 2**30:.3g} GiB there is"
+        )
+    if hp.grad_accum_steps != "auto" and hp.grad_accum_steps != plan.grad_accum_steps:
+        say(f"--grad_accum_steps {hp.grad_accum_steps} is derived by the plan: {plan.grad_accum_steps}")
+    return plan
+
+
+def slurm_end_time():
+    """The SLURM job's end (unix seconds), or None outside SLURM or when it cannot be read."""
+    if "SLURM_JOB_END_TIME" in os.environ:
+        return float(os.environ["SLURM_JOB_END_TIME"])
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%e"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def training_budget(hp, rank, device, world, say):
+    """Seconds of training: --time_limit_min, shrunk to end --slurm_reserve_s before the SLURM wall. Agreed."""
+    budget = hp.time_limit_min * 60.0
+    end = slurm_end_time() if rank == 0 else None
+    if end is not None and end - time.time() - hp.slurm_reserve_s < budget:
+        budget = max(end - time.time() - hp.slurm_reserve_s, 1.0)
+        say(
+            f"budget: {budget:.0f} s, not {hp.time_limit_min:g} min: the SLURM job ends in "
+            f"{end - time.time():.0f} s and the final save and exit keep {hp.slurm_reserve_s:g} s"
+        )
+    agreed = torch.tensor([budget], device=device)
+    if world > 1:
+        dist.broadcast(agreed, src=0)
+    return agreed.item()
+
+
+def bf16_grad_hook(state, bucket):
+    """DDP gradient all-reduce in bf16: half the bytes of fp32 on the wire, averaged before the cast."""
+    buffer = bucket.buffer()
+    reduced = buffer.div(dist.get_world_size()).bfloat16()
+    future = dist.all_reduce(reduced, async_op=True).get_future()
+    return future.then(lambda fut: buffer.copy_(fut.value()[0]))
+
+
+def warm_collectives(device):
+    """One of each collective training uses, so communicator set-up is not paid on the clock."""
+    for dtype in (torch.float32, torch.bfloat16):
+        dist.all_reduce(torch.ones(1, device=device, dtype=dtype))
+    world = dist.get_world_size()
+    for dtype in (torch.float32, torch.bfloat16):  # Muon's exchange
+        all_gather_flat(torch.empty(world, device=device, dtype=dtype), torch.ones(1, device=device, dtype=dtype))
+    dist.barrier()
+
+
+def fail(message, code=2):
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)

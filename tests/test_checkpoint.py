@@ -1,0 +1,159 @@
+"""Tests for checkpoint.py: a failed or refused save keeps the previous file and leaves nothing behind."""
+
+import errno
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint import Checkpointer, CheckpointError, check_writable, save_checkpoint, unique_sibling
+
+torch.set_num_threads(1)
+
+
+def state(step, n=16, fill=1.0):
+    return {"model": {"w": torch.full((n,), fill), "count": torch.tensor(step)}, "config": {"n": n}, "step": step}
+
+
+def saved_step(path):
+    return torch.load(path, weights_only=True)["step"]
+
+
+def assert_only(folder, *names):
+    assert sorted(os.listdir(folder)) == sorted(names)  # no .tmp or .probe left behind
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs, the issue's recipe for a full disk; needs root and mount."""
+    mount = shutil.which("mount")
+    if os.geteuid() != 0 or mount is None:
+        pytest.skip("mounting a tmpfs needs root and the mount command")
+    folder = tmp_path / "small"
+    folder.mkdir()
+    proc = subprocess.run(
+        [mount, "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(folder)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"mount -t tmpfs failed here: {proc.stderr.strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_full_disk_keeps_the_previous_checkpoint_and_no_tmp(small_tmpfs):
+    path = small_tmpfs / "ck.pt"
+    save_checkpoint(state(1), path)
+    with pytest.raises(
+        CheckpointError,
+        match=r"could not save .*ck\.pt \(the disk is full: 4\.0 MiB to write, \d\.\d MiB free there\); "
+        r"the file is left",
+    ):
+        save_checkpoint(state(2, n=1 << 20), path)  # 4 MiB of float32 into 2 MiB
+    assert saved_step(path) == 1
+    assert_only(small_tmpfs, "ck.pt")
+
+
+def test_write_error_mid_save_keeps_the_previous_checkpoint_and_no_tmp(tmp_path, monkeypatch):
+    path = tmp_path / "ck.pt"
+    save_checkpoint(state(1), path)
+
+    def full_disk(obj, f):
+        Path(f).write_bytes(b"PK partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save_checkpoint(state(2), path)
+    assert saved_step(path) == 1
+    assert_only(tmp_path, "ck.pt")
+
+
+def test_directory_path_is_one_clear_error(tmp_path):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"--checkpoint_path .*ckpts is a folder; name a file"):
+        check_writable(str(folder), "checkpoint_path")
+    with pytest.raises(CheckpointError, match="is a folder"):
+        save_checkpoint(state(1), folder)
+    assert_only(folder)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_state_is_refused_and_the_previous_file_kept(tmp_path, bad):
+    path = tmp_path / "ck.pt"
+    save_checkpoint(state(1), path)
+    broken = state(2)
+    broken["model"]["w"][3] = bad
+    with pytest.raises(CheckpointError, match="refusing to save .* at step 2: w holds NaN or inf"):
+        save_checkpoint(broken, path)
+    assert saved_step(path) == 1
+    assert_only(tmp_path, "ck.pt")
+
+
+def test_temporary_and_probe_names_differ_across_hosts_ranks_and_calls(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getpid", lambda: 1)  # containers: every node's rank 0 can have the same pid
+    names = set()
+    for host in ("node0", "node1", "node1"):
+        monkeypatch.setattr(checkpoint.socket, "gethostname", lambda host=host: host)
+        names |= {unique_sibling("ck.pt", "tmp"), unique_sibling("ck.pt", "tmp"), unique_sibling("ck.pt", "probe")}
+    assert len(names) == 9
+    assert sum(n.endswith(".tmp") for n in names) == 6 and all(n.startswith("ck.pt.node") for n in names)
+    check_writable(str(tmp_path / "ck.pt"), "checkpoint_path")
+    assert_only(tmp_path)
+
+
+def test_two_runs_saving_to_one_path_never_collide(tmp_path):
+    path, errors = tmp_path / "ck.pt", []
+
+    def run(first_step):
+        try:
+            for step in range(first_step, first_step + 20):
+                save_checkpoint(state(step), path)
+        except (OSError, ValueError) as e:  # the shared-.tmp bug showed as FileNotFoundError in one of the runs
+            errors.append(e)
+
+    runs = [threading.Thread(target=run, args=(s,)) for s in (0, 100)]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join()
+    assert errors == [] and saved_step(path) in (19, 119)
+    assert_only(tmp_path, "ck.pt")
+
+
+def test_background_failure_is_reported_once_without_a_traceback(tmp_path, monkeypatch, capfd):
+    path = tmp_path / "ck.pt"
+    model = torch.nn.Linear(4, 4)
+    saver = Checkpointer(path)
+    saver.save(model, {"step": 1}, background=True)
+    assert saver.wait() is None and saved_step(path) == 1
+
+    def full_disk(obj, f):
+        raise OSError(errno.ENOSPC, "full")
+
+    real_save = checkpoint.torch.save
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    messages = []
+    for step in (2, 3, 4):  # a full disk fails every save the same way: said once, counted three times
+        saver.save(model, {"step": step}, background=True)
+        messages.append(saver.wait())
+    assert messages[1:] == [None, None] and saver.failures == 3
+    assert "could not save" in messages[0] and "(full)" in messages[0]
+    assert saver.poll() is None
+    with pytest.raises(CheckpointError, match="could not save"):  # the final, foreground save raises instead
+        saver.save(model, {"step": 5}, background=False)
+    assert saved_step(path) == 1
+    assert capfd.readouterr().err == ""  # no thread traceback
+
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)  # space freed: saving works again
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    saver.save(model, {"step": 6}, background=True)
+    assert "at step 6: weight holds NaN or inf" in saver.wait()
+    assert saved_step(path) == 1 and saver.failures == 4
+    assert_only(tmp_path, "ck.pt")

@@ -1,0 +1,299 @@
+"""What a hostile user or a failing cluster does to train.py: bad flags, bad data, NaNs, full disks, stalls, a
+frozen rank, a second run on the same path, the SLURM wall. Every run is a small subprocess on 2 CPU cores."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from test_train import SHAPE, TINY, VOCAB, child_env, command, first_row, read_metrics, run_train, step_seconds
+from eval import load_checkpoint
+
+# ----------------------------------------------------------------------- user errors: one sentence, nothing written
+
+
+def flagged(*args):
+    return lambda tmp_path, token_dir: (["--data_dir", str(token_dir), *args], args[0])
+
+
+def directory_checkpoint(tmp_path, token_dir):
+    (tmp_path / "a_folder").mkdir()
+    return ["--data_dir", str(token_dir), "--checkpoint_path", str(tmp_path / "a_folder")], "--checkpoint_path"
+
+
+def blocked_checkpoint(tmp_path, token_dir):
+    (tmp_path / "blocker").write_text("a file, so nothing can be created under it (chmod means nothing to root)")
+    return [
+        "--data_dir",
+        str(token_dir),
+        "--checkpoint_path",
+        str(tmp_path / "blocker" / "ckpt.pt"),
+    ], "--checkpoint_path"
+
+
+def missing_data_dir(tmp_path, token_dir):
+    return ["--data_dir", str(tmp_path / "no_such_dir")], "--data_dir"
+
+
+CASES = {
+    "checkpoint is a folder": directory_checkpoint,
+    "checkpoint not writable": blocked_checkpoint,
+    "missing data": missing_data_dir,
+    "seq_len above the validation set": flagged("--val_tokens", "2000", "--seq_len", "4096"),
+    "batch_size 0": flagged("--batch_size", "0"),
+    "batch_size negative": flagged("--batch_size", "-3"),
+    "n_head 0": flagged("--n_head", "0"),
+    "seq_len 0": flagged("--seq_len", "0"),
+    "time limit inf": flagged("--time_limit_min", "inf"),
+    "time limit nan": flagged("--time_limit_min", "nan"),
+    "grad_accum_steps 0": flagged("--grad_accum_steps", "0"),
+    "zero decay": flagged("--decay_frac", "0"),
+    "warmup the whole run (cosine)": flagged("--warmup_frac", "1.0", "--schedule", "cosine"),
+    "warmup past the end": flagged("--warmup_frac", "1.5"),
+}
+if not torch.cuda.is_available():
+    CASES["cuda without a GPU"] = flagged("--device", "cuda")
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_user_errors_exit_2_in_one_sentence_before_anything_is_written(tmp_path, token_dir, case):
+    args, flag = case(tmp_path, token_dir)
+    trained = tmp_path / "checkpoint.pt"  # a previous run's checkpoint: a rejected run must leave it alone
+    trained.write_bytes(b"trained weights")
+    base = ["--vocab_size", str(VOCAB), *SHAPE, "--val_tokens", "4096", "--val_eval_tokens", "2048"]
+    proc, _ = run_train([*base, *args], tmp_path, timeout=120, expect_rc=2)
+    error = proc.stderr.strip().splitlines()
+    assert error[-1].startswith("error: ") and flag in error[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "plan:" not in proc.stdout  # no model, no forward pass
+    assert trained.read_bytes() == b"trained weights"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "a_folder" and p.name != "blocker") == [
+        "checkpoint.pt"
+    ]
+
+
+# ----------------------------------------------------------------------------- NaN: never saved
+
+
+def test_a_diverging_run_never_saves_non_finite_weights(tmp_path, token_dir):
+    # without the soft-cap the logits are unbounded: these LRs overflow them within a few steps
+    huge = ["--muon_lr", "1e6", "--embed_lr", "1e6", "--head_lr", "1e6", "--scalar_lr", "1e6", "--logit_softcap", "0"]
+    args = [
+        "--data_dir",
+        str(token_dir),
+        "--vocab_size",
+        str(VOCAB),
+        *TINY,
+        *huge,
+        "--time_limit_min",
+        "0.2",
+        "--log_every_s",
+        "0",
+        "--save_every_min",
+        "1e-9",
+    ]
+    proc, _ = run_train(args, tmp_path, expect_rc=1)
+    assert "non-finite training loss" in proc.stdout
+    model, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------- time that is not steps
+
+
+def synthetic_time_run(tmp_path, extra, budget_min=0.3):
+    return ["--checkpoint_path", str(tmp_path / "checkpoint.pt"), *TINY, "--time_limit_min", str(budget_min), *extra]
+
+
+def test_periodic_validation_is_planned_so_the_decay_still_finishes(tmp_path):
+    budget = 0.3 * 60
+    args = synthetic_time_run(
+        tmp_path, ["--val_tokens", "131072", "--val_eval_tokens", "131072", "--val_every_min", "0.05"]
+    )
+    run_train(args, tmp_path, timeout=180)
+    rows, val_rows, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(val_rows) >= 3 and summary["stop_reason"] == "time_limit"  # periodic ones (until the decay) + final
+    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0
+    assert 0.8 * budget < summary["train_s"] <= budget + step_seconds(rows) + 1.0
+
+
+def test_a_frozen_process_is_logged_as_a_stall_and_the_decay_still_finishes(tmp_path):
+    budget = 0.3 * 60
+    proc = subprocess.Popen(
+        command(synthetic_time_run(tmp_path, ["--val_tokens", "8192"]), 1),
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first_row(proc, tmp_path / "metrics.jsonl")
+        time.sleep(4)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(3)
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "stall:" in out
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0 and summary["stop_reason"] == "time_limit"
+    assert summary["train_s"] <= budget + step_seconds(rows) + 1.0
+
+
+def test_the_budget_ends_before_the_slurm_wall(tmp_path):
+    env = {**child_env(), "SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(int(time.time()) + 40)}
+    args = synthetic_time_run(tmp_path, ["--val_tokens", "8192", "--slurm_reserve_s", "25"], budget_min=10)
+    proc = subprocess.run(command(args, 1), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the SLURM job ends in" in proc.stdout
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["budget_s"] < 15 and summary["train_s"] <= summary["budget_s"] + step_seconds(rows) + 1.0
+    assert summary["final_lr_frac"] == 0.0 and summary["stop_reason"] == "time_limit"
+
+
+# ----------------------------------------------------------------------------- bad data mid-run, full disk, two runs
+
+
+def test_sparse_bad_token_ids_are_skipped_counted_and_said_once(tmp_path):
+    # 10 ids of 40000 in 600K tokens, placed where the start-up check's sample does not look (its slices are
+    # seeded, so they are known): the start-up check passes them, and the loader must catch them as it reads
+    folder = tmp_path / "data"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    n, slice_len = 600_000, (1 << 18) // 8
+    sampler = np.random.default_rng(0)  # data.check_token_files' sample: head, tail and 6 seeded spots
+    sampled = [0, n - slice_len, *sampler.integers(0, n - slice_len, 6).tolist()]
+    free = np.ones(n, dtype=bool)
+    for start in sampled:
+        free[start : start + slice_len] = False
+    tokens = rng.integers(3, VOCAB, n).astype("<u2")
+    tokens[rng.choice(np.flatnonzero(free), 10, replace=False)] = 40000
+    tokens.tofile(folder / "chunk_0001.bin")
+    rng.integers(3, VOCAB, 40_000).astype("<u2").tofile(folder / "chunk_0002.bin")
+    args = [
+        "--data_dir",
+        str(folder),
+        "--vocab_size",
+        str(VOCAB),
+        *SHAPE,
+        "--seq_len",
+        "32",
+        "--batch_tokens",
+        "2048",
+        "--val_tokens",
+        "2048",
+        "--max_steps",
+        "300",
+        "--time_limit_min",
+        "10",
+    ]
+    proc, _ = run_train(args, tmp_path)
+    _, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["steps"] == 300 and summary["bad_windows"] > 0
+    warnings = [line for line in proc.stderr.splitlines() if "warning: rank 0:" in line]  # tqdm shares stderr
+    assert len(warnings) == 1 and "id 40000 >= vocab_size 1024" in warnings[0], proc.stderr[-2000:]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path, small_tmpfs):
+    # the ~1.2 MB checkpoint fits in the 2 MB tmpfs once, but not beside its next version
+    args = [
+        *TINY,
+        "--checkpoint_path",
+        str(small_tmpfs / "ck.pt"),
+        "--metrics_path",
+        str(tmp_path / "m.jsonl"),
+        "--val_tokens",
+        "8192",
+        "--time_limit_min",
+        "0.2",
+        "--save_every_min",
+        "0.03",
+    ]
+    proc, _ = run_train(args, tmp_path, expect_rc=1)
+    assert len([line for line in proc.stdout.splitlines() if "background checkpoint save failed" in line]) == 1
+    assert "the final save failed" in proc.stdout and "Traceback" not in proc.stderr
+    _, _, summary = read_metrics(tmp_path / "m.jsonl")
+    assert summary["steps"] > 5  # training went on
+    assert load_checkpoint(small_tmpfs / "ck.pt")[1]["step"] == 0 and not list(small_tmpfs.glob("*.tmp"))
+
+
+def test_a_second_run_on_the_same_path_is_refused_before_writing(tmp_path):
+    args = [*TINY, "--val_tokens", "8192", "--time_limit_min", "10"]
+    first = subprocess.Popen(
+        command(args, 1), cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        first_row(first, tmp_path / "metrics.jsonl")
+        second, _ = run_train(args, tmp_path, expect_rc=2)
+        assert "in use by another running train.py" in second.stderr
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "lr_frac" in r]
+    assert steps == sorted(steps) and rows[-1]["summary"]  # one run's rows only
+
+
+# ----------------------------------------------------------------------------- a frozen rank
+
+
+def test_a_frozen_rank_ends_the_job_after_the_collective_timeout(tmp_path, token_dir):
+    args = [
+        "--data_dir",
+        str(token_dir),
+        "--vocab_size",
+        str(VOCAB),
+        *TINY,
+        "--time_limit_min",
+        "10",
+        "--collective_timeout_min",
+        "0.1",
+    ]
+    proc = subprocess.Popen(
+        command(args, 2),
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first_row(proc, tmp_path / "metrics.jsonl")
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 2
+        os.kill(int(ranks[-1]), signal.SIGSTOP)
+        start = time.perf_counter()
+        _, err = proc.communicate(timeout=120)
+        waited = time.perf_counter() - start
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0 and "lost contact with the other ranks" in err, err[-3000:]
+    assert waited < 60  # 6 s of timeout, then torchrun tears the job down; not the SLURM wall
+    model, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert all(math.isfinite(v.float().sum()) for v in ckpt["model"].values())

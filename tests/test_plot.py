@@ -1,0 +1,109 @@
+"""plot.py: metrics files in, one PNG of training curves out; bench/speedrun.py writes one beside its table."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+import speedrun  # noqa: E402
+
+import plot  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_metrics(path, steps=40, floor=3.0, summary=None):
+    """A metrics.jsonl in train.py's format: train rows, validation rows every 10 steps, a summary row."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for step in range(1, steps + 1):
+        rows.append(
+            {
+                "step": step,
+                "elapsed_s": 0.5 * step,
+                "lr_frac": min(1.0, 2 * (1 - step / steps)),
+                "train_loss": floor + 7.0 / step,
+                "tokens": 1024 * step,
+                "tokens_per_s": 2048,
+            }
+        )
+        if step % 10 == 0:
+            rows.append({"step": step, "elapsed_s": 0.5 * step, "val_loss": floor + 7.5 / step})
+    if summary is not None:
+        rows.append({"summary": True, "steps": steps, "tokens": 1024 * steps, "train_s": 0.5 * steps, **summary})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_run_is_a_folder_or_a_file_and_validation_rows_get_their_tokens(tmp_path):
+    write_metrics(tmp_path / "run_a" / "metrics.jsonl")
+    run = plot.load_run(tmp_path / "run_a")
+    assert run["name"] == "run_a" and len(run["train"]) == 40 and run["summary"] is None
+    assert [(r["step"], r["tokens"]) for r in run["val"]] == [(10, 10240), (20, 20480), (30, 30720), (40, 40960)]
+    assert plot.load_run(write_metrics(tmp_path / "other.jsonl"))["name"] == "other"
+
+
+def test_a_cut_off_last_line_is_skipped_but_a_bad_line_inside_is_an_error(tmp_path):
+    path = write_metrics(tmp_path / "run" / "metrics.jsonl")
+    path.write_text(path.read_text() + '{"step": 41, "elapsed_s": 20.')  # a run still writing its row
+    assert len(plot.load_run(path)["train"]) == 40
+    path.write_text("not json\n" + path.read_text())
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        plot.load_run(path)
+    with pytest.raises(FileNotFoundError):
+        plot.load_run(tmp_path / "missing")
+
+
+def test_facts_come_from_the_summary_its_plan_and_its_config_whichever_has_them():
+    summary = {"train_s": 61.2, "params": 8_200_000, "plan": {"model": "l4w128"}}
+    assert plot.run_facts(summary) == {"shape": "l4w128", "params": "8.2M params", "budget": "61 s trained"}
+    summary["config"] = {"n_layer": 6, "n_embd": 256, "time_limit_min": 1.0}
+    assert plot.run_facts(summary) == {"shape": "l6w256", "params": "8.2M params", "budget": "1 min budget"}
+    assert plot.run_facts({"plan": {"model": "auto", "n_params": 5e5}}) == {"params": "0.5M params"}
+    assert plot.run_facts(None) == {}
+
+
+def test_two_runs_make_one_png_with_shared_facts_in_the_title_and_the_rest_in_the_legend(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra; CI installs it")
+    from matplotlib.image import imread
+
+    config = {"n_layer": 4, "n_embd": 128, "time_limit_min": 5}
+    write_metrics(tmp_path / "default" / "metrics.jsonl", summary={"params": 8.2e6, "val_loss": 3.5, "config": config})
+    write_metrics(tmp_path / "seed1.jsonl", floor=3.2, summary={"params": 9.1e6, "val_loss": 3.7, "config": config})
+    out = tmp_path / "curves.png"
+    plot.main([str(tmp_path / "default"), str(tmp_path / "seed1.jsonl"), "--out", str(out)])
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+    pixels = imread(out)
+    assert pixels.shape[0] > 600 and pixels.shape[1] > 900 and pixels.std() > 0.05  # drawn, not blank
+    fig = plot.plot_runs([tmp_path / "default", tmp_path / "seed1.jsonl"], tmp_path / "again.png")
+    assert fig.get_suptitle() == "2 runs: l4w128, 5 min budget"
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert labels == [
+        "default (8.2M params): val 3.500",
+        "seed1 (9.1M params): val 3.700",
+        "train loss",
+        "validation loss",
+    ]
+    assert all(ax.get_xlabel() and ax.get_ylabel() for ax in fig.axes)
+
+
+def test_without_matplotlib_it_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    write_metrics(tmp_path / "default" / "metrics.jsonl")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(SystemExit, match=r'pip install -e "\.\[plot\]"'):
+        plot.main([str(tmp_path / "default"), "--out", str(tmp_path / "curves.png")])
+    speedrun.write_curves(tmp_path, ["default"])  # the benchmark still finishes, saying why there is no PNG
+    assert "no curves.png written" in capsys.readouterr().out
+    assert not (tmp_path / "curves.png").exists()
+
+
+def test_speedrun_writes_its_variants_curves_beside_the_table(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra; CI installs it")
+    write_metrics(tmp_path / "default" / "metrics.jsonl")
+    write_metrics(tmp_path / "starter" / "metrics.jsonl", floor=3.3)
+    speedrun.write_curves(tmp_path, ["default", "starter", "failed_before_any_metrics"])
+    assert (tmp_path / "curves.png").read_bytes()[:8] == PNG_SIGNATURE

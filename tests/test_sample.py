@@ -1,0 +1,190 @@
+"""sample.py: a tiny GPT that memorised a few sentences, loaded through the organizers' snippet, continues them."""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import sample  # noqa: E402
+from conftest import train_tokenizer  # noqa: E402
+from model import get_model  # noqa: E402
+
+torch.set_num_threads(1)
+SENTENCES = [
+    "the red fox jumps over the lazy dog near the quiet river",
+    "a small boat sails across the wide lake under grey clouds",
+    "my old neighbour bakes fresh bread every sunday morning",
+    "two young students solve hard puzzles in the library at night",
+]
+CONFIG = {"vocab_size": 128, "seq_len": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}
+
+
+def memorise(docs, config, steps=60):
+    """A checkpoint, in train.py's format, of a model trained on BOS-led documents until it knows them."""
+    x = torch.zeros(len(docs), max(map(len, docs)), dtype=torch.int64)
+    y = torch.full_like(x, -100)  # cross_entropy skips the padding
+    for i, doc in enumerate(docs):
+        x[i, : len(doc)], y[i, : len(doc) - 1] = torch.tensor(doc), torch.tensor(doc[1:])
+    torch.manual_seed(0)
+    model = get_model(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = model(x, y)[1]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {"model": model.state_dict(), "config": config, "step": steps, "tokens": steps * x.numel()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(checkpoint path, tokenizer path, tokenizer) for a SentencePiece model and a GPT trained here."""
+    folder = tmp_path_factory.mktemp("sample")
+    model_file, tokenizer = train_tokenizer(folder, SENTENCES, vocab_size=100)
+    docs = [[1] + tokenizer.encode(s) for s in SENTENCES]  # BOS-led documents, as in the event data
+    assert max(map(len, docs)) <= CONFIG["seq_len"]
+    torch.save(memorise(docs, CONFIG), folder / "checkpoint.pt")
+    return folder / "checkpoint.pt", model_file, tokenizer
+
+
+def halves(sentence):
+    words = sentence.split()
+    return " ".join(words[: len(words) // 2]), " ".join(words[len(words) // 2 :])
+
+
+def test_greedy_continues_each_memorised_sentence_from_its_first_half(trained, capsys):
+    checkpoint, tokenizer_path, tokenizer = trained
+    for sentence in SENTENCES:
+        start, _ = halves(sentence)
+        n_new = len(tokenizer.encode(sentence)) - len(tokenizer.encode(start))
+        flags = [
+            str(checkpoint),
+            "--tokenizer",
+            str(tokenizer_path),
+            "--prompt",
+            start,
+            "--temperature",
+            "0",
+            "--max_new_tokens",
+            str(n_new),
+            "--num_samples",
+            "2",
+        ]
+        samples = sample.main(flags)
+        assert samples[0] == samples[1] == sample.main(flags)[0]  # greedy depends on nothing else
+        assert samples[0][0] == tokenizer.bos_id()  # documents started with BOS, so prompts do
+        assert tokenizer.decode(samples[0]) == sentence
+        assert sentence in capsys.readouterr().out
+
+
+def test_prompt_from_a_file_and_without_bos(trained, tmp_path):
+    checkpoint, tokenizer_path, tokenizer = trained
+    start, _ = halves(SENTENCES[1])
+    (tmp_path / "prompt.txt").write_text(start + "\n")
+    flags = [str(checkpoint), "--tokenizer", str(tokenizer_path), "--temperature", "0", "--max_new_tokens", "3"]
+    from_file = sample.main([*flags, "--prompt", f"FILE:{tmp_path / 'prompt.txt'}"])
+    assert from_file == sample.main([*flags, "--prompt", start])
+    assert from_file[0][1 : 1 + len(tokenizer.encode(start))] == tokenizer.encode(start)
+    without_bos = sample.main([*flags, "--prompt", start, "--no_bos"])
+    assert without_bos[0][: len(tokenizer.encode(start))] == tokenizer.encode(start)
+
+
+def test_ids_in_and_ids_out_without_a_tokenizer(trained, capsys):
+    checkpoint, _, tokenizer = trained
+    doc = [1] + tokenizer.encode(SENTENCES[2])
+    prompt = ",".join(map(str, doc[:6]))
+    samples = sample.main(
+        [
+            str(checkpoint),
+            "--prompt_ids",
+            prompt,
+            "--temperature",
+            "0",
+            "--max_new_tokens",
+            str(len(doc) - 6),
+            "--num_samples",
+            "1",
+        ]
+    )
+    assert samples == [doc]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"{prompt} | {','.join(map(str, doc[6:]))}"
+
+
+def test_sampling_is_seeded_and_keeps_to_the_top_k(trained):
+    checkpoint, _, _ = trained
+    flags = [str(checkpoint), "--prompt_ids", "1", "--max_new_tokens", "12", "--num_samples", "4", "--temperature", "5"]
+    hot = sample.main([*flags, "--seed", "3", "--top_k", "0"])
+    assert hot == sample.main([*flags, "--seed", "3", "--top_k", "0"])
+    assert hot != sample.main([*flags, "--seed", "4", "--top_k", "0"])
+    assert len({tuple(s) for s in hot}) > 1  # the samples of one batch differ
+    # top_k 1 is greedy whatever the temperature
+    assert sample.main([*flags, "--top_k", "1"]) == sample.main([*flags[:-2], "--temperature", "0"])
+
+
+def test_generate_picks_the_argmax_of_the_full_forward_and_leaves_the_model_as_it_was(trained):
+    checkpoint, _, _ = trained
+    ckpt = torch.load(checkpoint, weights_only=True)
+    model = get_model(ckpt["config"])
+    model.load_state_dict(ckpt["model"])
+    prompt = [1, 5, 9]
+    out = sample.generate(model, prompt, 6, temperature=0)
+    expected = torch.tensor([prompt])
+    for _ in range(6):  # only the last position's logits are computed inside generate; here, all of them
+        logits = model(expected)[0]
+        assert logits.shape[1] == expected.shape[1]
+        expected = torch.cat((expected, logits[:, -1, : CONFIG["vocab_size"]].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("pos", ["rope", "learned"])
+def test_a_prompt_longer_than_the_training_length_works(trained, tmp_path, pos):
+    checkpoint, _, tokenizer = trained
+    if pos == "learned":  # learned positions stop at seq_len, so the model sees the last seq_len tokens
+        config = {**CONFIG, "pos": "learned"}
+        torch.save(memorise([[1] + tokenizer.encode(SENTENCES[0])], config, steps=1), tmp_path / "learned.pt")
+        checkpoint = tmp_path / "learned.pt"
+    doc = [1] + tokenizer.encode(" ".join(SENTENCES))
+    assert len(doc) > 2 * CONFIG["seq_len"]
+    samples = sample.main(
+        [str(checkpoint), "--prompt_ids", ",".join(map(str, doc)), "--max_new_tokens", "5", "--num_samples", "2"]
+    )
+    assert [s[: len(doc)] for s in samples] == [doc, doc] and all(len(s) == len(doc) + 5 for s in samples)
+    assert all(0 <= i < CONFIG["vocab_size"] for s in samples for i in s)
+
+
+def test_user_errors_are_one_line(trained, tmp_path):
+    checkpoint, tokenizer_path, _ = trained
+    cases = [
+        ([str(tmp_path / "none.pt"), "--prompt_ids", "1"], "does not exist"),
+        ([str(checkpoint), "--prompt", "hello"], "needs --tokenizer"),
+        ([str(checkpoint), "--prompt_ids", "1,x"], "comma-separated"),
+        ([str(checkpoint), "--prompt_ids", "1,500"], r"\[0, 128\)"),
+        ([str(checkpoint), "--prompt_ids", ""], "no tokens"),
+        ([str(checkpoint), "--tokenizer", str(tokenizer_path), "--prompt", "a", "--prompt_ids", "1"], "not both"),
+        ([str(checkpoint), "--tokenizer", str(tokenizer_path), "--prompt", "FILE:/no/such"], "does not exist"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit, match=message):
+            sample.main(argv)
+
+
+def test_without_sentencepiece_it_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # makes `import sentencepiece` fail
+    with pytest.raises(ValueError, match="pip install sentencepiece"):
+        sample.load_tokenizer("tokenizer.model", 32000)
+
+
+def test_sample_imports_only_model_and_eval_of_ours():
+    ours = {path.stem for path in REPO.glob("*.py")}
+    imported = set()
+    for node in ast.walk(ast.parse((REPO / "sample.py").read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert imported & ours == {"eval"}  # eval.py imports model.py alone: the organizers' view
