@@ -30,7 +30,7 @@ from checkpoint import CheckpointError, Checkpointer, check_writable
 class Run:
     """Everything the loop reads, built and checked before the clock."""
 
-    hp: object  # train.Hyperparameters, every "auto" resolved
+    hp: object  # train.Hyperparameters; "auto" resolved by resolve(), except what the plan holds
     plan: RunPlan
     budget_s: float
     rank: int

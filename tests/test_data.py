@@ -296,30 +296,31 @@ def test_loader_reads_memmaps_at_their_offset(tmp_path):
 
 
 def test_prefetch_serves_its_depth_through_a_stalled_read(tmp_path, monkeypatch):
-    # the reading thread fills `depth` batches ahead; then one read stalls for a second: the queued batches are
-    # served at once, and only the batch behind the stalled read waits (one read per batch: block = batch)
+    # the reading thread fills `depth` batches ahead, nobody asking; then the next read stalls for a second: the
+    # queued batches are served at once, and only a batch behind the stalled read waits (one read per batch)
     arrays = position_files(tmp_path, [100_000])
-    stall, reads = 1.0, []
+    stall, stalling, stalled = 1.0, [], []
     read = BatchLoader._read
 
     def slow_read(self, *args):
-        reads.append(1)
-        if len(reads) == 26:  # the first read after 25 batches are queued
+        if stalling and not stalled:
+            stalled.append(True)
             time.sleep(stall)
         return read(self, *args)
 
     monkeypatch.setattr(BatchLoader, "_read", slow_read)
     with BatchLoader(arrays, 31, 4, 0, 1, prefetch_tokens=25 * 4 * 31, block_windows=4) as loader:
         assert loader.depth == 25
-        time.sleep(1.0)  # the thread fills the queue in the background, nobody asking
+        time.sleep(1.0)  # the queue fills in the background
+        stalling.append(True)
         waits = []
-        for _ in range(loader.depth + 1):
+        while not waits or waits[-1] < stall / 2 and len(waits) < 3 * loader.depth:
             asked = time.perf_counter()
             x, y = next(loader)
             waits.append(time.perf_counter() - asked)
         assert x.shape == y.shape == (4, 31) and x.device.type == "cpu"
-    assert sum(waits[: loader.depth]) < stall / 4  # served without waiting
-    assert waits[-1] >= stall / 2  # the batch behind the stalled read waited for it
+    assert stalled and waits[-1] >= stall / 2  # the read did stall, and a batch behind it waited
+    assert len(waits) - 1 >= loader.depth and sum(waits[: loader.depth]) < stall / 4  # served without waiting
     with pytest.raises(RuntimeError, match="closed"):
         next(loader)
 
