@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import get_model
+from model import get_model, model_config
 from data import SYNTH_STATES, BatchLoader, load_token_data, val_batches
 from muon import all_gather_flat, build_optimizers
 from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
@@ -242,7 +242,8 @@ def build_plan(hp, model_switches, device, world, say):
         say(f"ignoring shape flags {shape} (--shape_flags ignore): --model {hp.model} decides")
         shape = {}
     if shape:
-        shape = {**get_model({"vocab_size": hp.vocab_size, **shape}).config.__dict__, **shape, **model_switches}
+        given = model_config(shape)  # model.py's defaults fill the shape flags not given, without building a model
+        shape = {"n_layer": given.n_layer, "n_head": given.n_head, "n_embd": given.n_embd, **model_switches}
     ratio = TOKENS_PER_PARAM[kind] if hp.tokens_per_param == "auto" else hp.tokens_per_param
     plan, table = make_plan(
         model=hp.model,

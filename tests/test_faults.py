@@ -12,7 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from test_train import SHAPE, TINY, VOCAB, child_env, command, first_row, read_metrics, run_train, step_seconds
+from test_train import (
+    SHAPE,
+    TINY,
+    VOCAB,
+    child_env,
+    command,
+    first_row,
+    on_tokens,
+    read_metrics,
+    run_train,
+    step_seconds,
+)
 from eval import load_checkpoint
 
 # ----------------------------------------------------------------------- user errors: one sentence, nothing written
@@ -84,10 +95,7 @@ def test_a_diverging_run_never_saves_non_finite_weights(tmp_path, token_dir):
     # without the soft-cap the logits are unbounded: these LRs overflow them within a few steps
     huge = ["--muon_lr", "1e6", "--embed_lr", "1e6", "--head_lr", "1e6", "--scalar_lr", "1e6", "--logit_softcap", "0"]
     args = [
-        "--data_dir",
-        str(token_dir),
-        "--vocab_size",
-        str(VOCAB),
+        *on_tokens(token_dir),
         *TINY,
         *huge,
         "--time_limit_min",
@@ -260,17 +268,7 @@ def test_a_second_run_on_the_same_path_is_refused_before_writing(tmp_path):
 
 
 def test_a_frozen_rank_ends_the_job_after_the_collective_timeout(tmp_path, token_dir):
-    args = [
-        "--data_dir",
-        str(token_dir),
-        "--vocab_size",
-        str(VOCAB),
-        *TINY,
-        "--time_limit_min",
-        "10",
-        "--collective_timeout_min",
-        "0.1",
-    ]
+    args = [*on_tokens(token_dir), *TINY, "--time_limit_min", "10", "--collective_timeout_min", "0.1"]
     proc = subprocess.Popen(
         command(args, 2),
         cwd=tmp_path,

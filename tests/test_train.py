@@ -297,6 +297,11 @@ def test_every_flag_has_help_text_saying_what_its_default_means():
     assert "auto: 32000 for token files" in " ".join(parser_help.split())  # argparse wraps lines
 
 
+def on_tokens(token_dir):
+    """The flags that train on the token_dir fixture's files."""
+    return ["--data_dir", str(token_dir), "--vocab_size", str(VOCAB)]
+
+
 def picked_shape(stdout):
     """The ladder shape --model auto picked, from its '-> name' log row; None when auto did not run."""
     auto = [line.split()[1].rstrip(":") for line in stdout.splitlines() if line.strip().startswith("->")]
@@ -305,18 +310,7 @@ def picked_shape(stdout):
 
 @pytest.mark.parametrize("shape_flags, auto_decides", [("win", False), ("ignore", True)])
 def test_shape_flags_win_over_auto_unless_told_to_be_ignored(tmp_path, token_dir, shape_flags, auto_decides):
-    args = [
-        "--data_dir",
-        str(token_dir),
-        "--vocab_size",
-        str(VOCAB),
-        *TINY,
-        "--max_steps",
-        "2",
-        *LONG_BUDGET,
-        "--shape_flags",
-        shape_flags,
-    ]
+    args = [*on_tokens(token_dir), *TINY, "--max_steps", "2", *LONG_BUDGET, "--shape_flags", shape_flags]
     proc, _ = run_train(args, tmp_path)
     _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     if auto_decides:
@@ -535,10 +529,7 @@ def test_signal_mid_run_finishes_the_step_saves_and_exits_0(tmp_path, token_dir,
 def test_two_gloo_ranks_with_compile_and_bf16_stop_on_the_clock_and_load(tmp_path, token_dir):
     # per-block compile, bf16 autocast, bf16 gradient reduce, on the clock: inductor on CPU takes ~20-40 s cold
     args = [
-        "--data_dir",
-        str(token_dir),
-        "--vocab_size",
-        str(VOCAB),
+        *on_tokens(token_dir),
         *TINY,
         "--compile",
         "--autocast",
@@ -607,10 +598,7 @@ def test_cosine_schedule_and_warmup_reach_the_floor():
 
 def test_progress_by_steps_is_blind_to_the_clock(tmp_path, token_dir):
     args = [
-        "--data_dir",
-        str(token_dir),
-        "--vocab_size",
-        str(VOCAB),
+        *on_tokens(token_dir),
         *TINY,
         "--max_steps",
         "12",
