@@ -6,6 +6,7 @@ Ranks agree before anything is written: a check that can differ per rank (a node
 followed by an all-reduce of "ok", so one rank's error stops every rank at once instead of hanging a collective.
 """
 
+import ctypes
 import dataclasses
 import datetime
 import fcntl
@@ -58,6 +59,8 @@ def launch(hp, model_switches, stop_signal, say):
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
     if world > 1:
         timeout = datetime.timedelta(minutes=hp.collective_timeout_min)
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
@@ -160,10 +163,9 @@ def build_model(hp, plan, model_switches, device, world):
         weight_decay=hp.weight_decay,
         tied_head=tied_head,
     )
-    if hp.compile:  # each block on its own: identical blocks share one graph, and DDP's buckets split nothing
-        torch._dynamo.config.optimize_ddp = False
-        for block in raw_model.blocks:
-            block.compile(fullgraph=True, dynamic=False)
+    if hp.compile:
+        torch._dynamo.config.optimize_ddp = False  # graphs are per block already
+        raw_model.compile_per_block()
     model = raw_model
     if world > 1:
         model = DDP(
@@ -331,6 +333,21 @@ def warm_collectives(device):
     for dtype in (torch.float32, torch.bfloat16):  # Muon's exchange
         all_gather_flat(torch.empty(world, device=device, dtype=dtype), torch.ones(1, device=device, dtype=dtype))
     dist.barrier()
+
+
+def keep_freed_memory():
+    """Let glibc keep freed CPU memory. A CPU step frees and re-allocates the same multi-MB tensors (the 32K-row
+    tables' gradients, the head's chunk buffers); by default glibc maps the large ones fresh or trims them back to
+    the kernel, and each step paid ~15K page faults (l4w128, default recipe). Returns whether it applied."""
+    try:
+        libc = ctypes.CDLL(None)
+        # order matters: setting the trim threshold alone also pins the mmap threshold at 128 KB
+        return libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        return False
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
 def fail(message, code=2):

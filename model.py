@@ -35,9 +35,31 @@ class SoftCap(torch.autograd.Function):
         return torch.addcmul(out.new_full((), ctx.cap), out, out, value=-1.0 / ctx.cap).mul_(grad), None
 
 
-def matmul_into(out, a, b):
-    """a @ b written into out, which may be wider than a and b (bf16 in, float32 out)."""
-    return torch.mm(a, b, out=out) if out.dtype == a.dtype else out.copy_(torch.mm(a, b))
+LOG2E = 1 / math.log(2)
+
+
+def chunk_loss(y, targets, cap, need_grad):
+    """The loss math of one chunk, float32, in place on y (rows, V), the head matmul's output as HeadLoss scales it
+    (capped: -2/cap times x @ weight.T; uncapped: log2(e) times it). Returns (row losses, row sums of the exps, and
+    with need_grad the gradient of the row losses by x @ weight.T, each row times its sum and over the slope).
+    A function of its own so that compiled runs fuse its passes (GPT.compile_per_block); eagerly, each is one
+    memory-bound pass over the chunk."""
+    if cap:
+        s = y.sigmoid_()
+        z = s * (-2 * cap * LOG2E)
+    else:
+        z = y.sub_(y.amax(1, keepdim=True))
+    target_logit = z.gather(1, targets) / LOG2E
+    e = z.exp2_()
+    total = e.sum(1, keepdim=True)
+    row_loss = (total.log() - target_logit).squeeze(1)
+    if not need_grad:
+        return row_loss, total, None
+    # d loss_row / d logits = softmax - onehot = (e - total * onehot) / total; the 1/total is left to the caller
+    g = e.scatter_add_(1, targets, -total)
+    if cap:
+        g = torch.ops.aten.sigmoid_backward.grad_input(g, s, grad_input=s)  # s is not needed again
+    return row_loss, total, g
 
 
 class HeadLoss(torch.autograd.Function):
@@ -45,51 +67,38 @@ class HeadLoss(torch.autograd.Function):
 
     Only one chunk's (rows, V) float32 logits exist at a time. The loss is the last op of the graph, so each chunk's
     gradients are taken in forward, while its logits are at hand (three matmuls in all, no recomputation), and
-    backward only scales dx and dweight by the incoming gradient. The cap goes through a sigmoid,
-    cap * tanh(y) = 2cap * sigmoid(2y) - cap, and the softmax ignores the shift: sigmoid costs half of tanh on CPU,
-    it bounds the logits (no max pass) and its derivative comes from its output, 1 - tanh^2 = 4 s (1 - s).
+    backward only scales dx and dweight by the incoming gradient. Every pass over a chunk counts at CPU widths:
+    - the cap goes through a sigmoid, cap * tanh(y) = cap - 2cap * sigmoid(-2y): a third of tanh's cost on CPU, it
+      bounds the logits (no max pass), the softmax ignores the shift, and its derivative 4 s (1 - s) is one fused
+      sigmoid_backward pass with the softmax gradient;
+    - logits are kept in base 2 (scaled by log2(e), folded into a scalar that is applied anyway): exp2 is ~half
+      the cost of exp on CPU.
     Targets -100 are left out of the mean, as F.cross_entropy does."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, cap, rows, dtype, need_grad):
+    def forward(ctx, x, weight, targets, cap, rows, dtype, need_grad, chunk_fn):
         # x (N, C), weight (V, C), targets (N,); dtype is the matmuls' (autocast's), the loss math float32 or wider
         acc = torch.promote_types(dtype, torch.float32)
         valid = targets != -100
         row_weight = valid.to(acc) / valid.sum()  # the mean over counted rows, as F.cross_entropy takes it
         targets = targets.masked_fill(~valid, 0)[:, None]
         w = weight.to(dtype)
-        # with y = x @ weight.T and s = sigmoid(-2y/cap) = 1 - sigmoid(2y/cap), the logits minus their bound 2cap are
-        # z = -2cap * s <= 0, so exp never overflows. The -2/cap scales the (N, C) input, not the (N, V) logits.
-        x_in = (x.to(acc) * (-2 / cap) if cap else x).to(dtype)
-        slope = -2 / cap if cap else 1.0  # d logit / dy = 4 s(1 - s) = d * -2/cap, d as below
+        # capped: the matmul gives -2y/cap and s = sigmoid(-2y/cap); the base-2 logits minus their bound are
+        # -2cap * log2(e) * s <= 0, so exp2 never overflows. Uncapped: the matmul gives log2(e) * y directly.
+        # Either scale goes on the (N, C) input, not the (N, V) logits.
+        x_in = (x.to(acc) * (-2 / cap if cap else LOG2E)).to(dtype)
+        slope = 4.0 if cap else 1.0  # d logit / dy: 4 s (1 - s) with s(1 - s) from sigmoid_backward; uncapped 1
         row_loss = torch.empty(x.size(0), device=x.device, dtype=acc)
         dx = torch.empty_like(x) if need_grad else None
         dw = torch.zeros_like(weight, dtype=acc) if need_grad else None
-        # chunk buffers for all chunks: on CPU a fresh (rows, V) allocation per chunk costs its page faults
-        logits_buf = torch.empty(min(rows, x.size(0)), weight.size(0), device=x.device, dtype=acc)
-        exp_buf = torch.empty_like(logits_buf) if cap else logits_buf
         for i in range(0, x.size(0), rows):
             x_c, t_c = x_in[i : i + rows], targets[i : i + rows]
             n = x_c.size(0)
-            z = matmul_into(logits_buf[:n], x_c, w.t())
-            if cap:
-                z.sigmoid_().mul_(-2 * cap)
-            else:
-                z.sub_(z.amax(1, keepdim=True))
-            target_logit = z.gather(1, t_c)
-            e = torch.exp(z, out=exp_buf[:n])
-            total = e.sum(1, keepdim=True)
-            row_loss[i : i + n] = (total.log() - target_logit).squeeze(1)
+            row_loss[i : i + n], total, g = chunk_fn(torch.mm(x_c, w.t()).to(acc), t_c, cap, need_grad)
             if not need_grad:
                 continue
-            # d loss_row / d logits = softmax - onehot = (e - total * onehot) / total; 1/total joins the row scale,
-            # which commutes with the matmuls. The cap's derivative 4 s(1 - s) comes from z = -2cap * s:
-            # d = z + z^2 / 2cap = -2cap * s(1 - s), in place (its -2/cap is in slope).
-            g = e.scatter_add_(1, t_c, -total)
-            if cap:
-                g.mul_(z.addcmul_(z, z, value=0.5 / cap))
             g = g.to(dtype)
-            scale = slope * row_weight[i : i + n, None] / total
+            scale = slope * row_weight[i : i + n, None] / total  # commutes with the matmuls
             dx[i : i + n] = torch.mm(g, w).mul_(scale)
             x_scaled = (x[i : i + n] * scale).to(dtype)
             if dtype == acc:
@@ -102,23 +111,23 @@ class HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dx, dw = ctx.saved_tensors
-        return dx * grad, dw * grad, None, None, None, None, None
+        return dx * grad, dw * grad, None, None, None, None, None, None
 
 
-# float32 logits per head_loss chunk. CPU: 16-64 MB tie and both chunk buffers still fit a 32 MB L3; under 8 MB the
-# matmuls' short rows cost more than the cache saves. GPU: a pass over 64 MB (~20 us) outlasts its kernel launch.
-LOSS_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 64 << 20}
+# float32 logits per head_loss chunk. CPU: the (rows, C) @ (C, V) matmul gains up to ~500 rows (measured at C = 128:
+# 64 MB chunks take 0.88-0.95x the time of 16 MB ones, 4 MB ones 1.3x). GPU: a 64 MB pass (~20 us) outlasts a launch.
+LOSS_CHUNK_BYTES = 64 << 20
 
 
-def head_loss(x, weight, targets, cap=0.0, rows=None):
+def head_loss(x, weight, targets, cap=0.0, rows=None, chunk_fn=chunk_loss):
     """F.cross_entropy(cap * tanh(x @ weight.T / cap), targets) (cap 0: no cap) for x (N, C), weight (V, C) and
-    targets (N,), never holding the (N, V) logits. rows: tokens per chunk; by default from LOSS_CHUNK_BYTES."""
+    targets (N,), never holding the (N, V) logits. rows: tokens per chunk; by default from LOSS_CHUNK_BYTES.
+    chunk_fn: chunk_loss, or its compiled form."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    budget = LOSS_CHUNK_BYTES["cpu" if device == "cpu" else "gpu"]
-    rows = rows or max(1, budget // (4 * weight.size(0)))
+    rows = rows or max(1, LOSS_CHUNK_BYTES // (4 * weight.size(0)))
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return HeadLoss.apply(x, weight, targets.long(), cap, rows, dtype, need_grad)
+    return HeadLoss.apply(x, weight, targets.long(), cap, rows, dtype, need_grad, chunk_fn)
 
 
 @dataclass
@@ -269,6 +278,7 @@ class GPT(nn.Module):
         self.skip_weights = nn.Parameter(torch.ones(self.n_skip)) if self.n_skip else None
         self.norm_f = Norm(C, cfg.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(C, self.padded_vocab, bias=False)
+        self.chunk_loss = chunk_loss  # compile_per_block swaps in the compiled form
         self._init_weights()
 
     @torch.no_grad()
@@ -321,7 +331,9 @@ class GPT(nn.Module):
         x = self.norm_f(x)
         head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
         if not return_logits:
-            return None, head_loss(x.view(B * T, -1), head, targets.reshape(-1), cfg.logit_softcap)
+            return None, head_loss(
+                x.view(B * T, -1), head, targets.reshape(-1), cfg.logit_softcap, chunk_fn=self.chunk_loss
+            )
         if cfg.logit_softcap > 0:
             # the 1/cap goes on the (V, C) weight, not the (B, T, V) logits: one pass fewer over the
             # largest tensor, which dominates eager (CPU) step time at small widths
@@ -332,6 +344,14 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())
         return logits, loss
+
+    def compile_per_block(self):
+        """torch.compile each block on its own (identical blocks share one graph, and DDP's buckets split nothing)
+        and the head's per-chunk loss math (eagerly, passes over the (rows, V) logits that memory bandwidth bounds).
+        The embeddings and the head's matmuls stay eager; state_dict keys stay plain."""
+        for block in self.blocks:
+            block.compile(fullgraph=True, dynamic=False)
+        self.chunk_loss = torch.compile(chunk_loss, fullgraph=True, dynamic=False)
 
     def num_params(self, non_embedding=False):
         """All parameters, or those outside the lookup tables (wte/wpe/value embeddings).

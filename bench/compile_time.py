@@ -7,8 +7,9 @@
 Modes:
   whole      torch.compile(model): what train.py did before issue 13, one graph for the whole model; measured
              at the first --batch only, for the comparison
-  per_block  block.compile(fullgraph=True, dynamic=False) for each block, the embeddings and head + loss eager:
-             what train.py does now. Blocks of one structure share a graph, so compiling does not grow with depth.
+  per_block  model.compile_per_block(), what train.py does now: each block compiled on its own and the head's
+             per-chunk loss math, the embeddings and the head's matmuls eager. Blocks of one structure share a graph,
+             so compiling does not grow with depth.
 Every row is a fresh process with an empty inductor cache (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in a new
 temporary folder, the FX-graph and AOT-autograd caches off), so its first step pays all of compilation, as the
 event's first step does. Before compiling, each process runs one eager forward+backward on the same weights and
@@ -79,8 +80,7 @@ def measure(mode, shape, batch, seq, device, steps, optimizer, head):
     if mode == "whole":
         compiled = torch.compile(model)
     else:
-        for block in model.blocks:
-            block.compile(fullgraph=True, dynamic=False)
+        model.compile_per_block()
         compiled = model
 
     sync()

@@ -2,9 +2,10 @@
 
     python bench/head_loss.py [--rounds 7] [--threads 1]
 
-1. ms per step at the bench shape (4 layers, width 128, 4 heads, seq 256, 8 sequences, vocab 32,000): forward +
-   backward of the whole model, no optimizer step, for the default and the starter-like model, each through both
-   paths. One process, the four alternate round by round; best and median of --rounds.
+1. ms per training step at the bench shape (4 layers, width 128, 4 heads, seq 256, 8 sequences, vocab 32,000):
+   forward + backward of the whole model and the optimizer step, as train.py runs them (Muon + AdamW for the
+   default, AdamW alone for the starter-like model, freed memory kept by launch.keep_freed_memory), for each model
+   through both paths. One process, the four alternate round by round; best and median of --rounds.
 2. Peak memory of one forward + backward at 8 x 1024 tokens, vocab 32,000: the CPU allocator's live bytes, read
    from the profiler's memory events (profile_memory=True), for the whole step and for head + loss alone, i.e. the
    highest live bytes after the final norm returns, minus those live at that moment.
@@ -23,7 +24,9 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from launch import keep_freed_memory  # noqa: E402
 from model import get_model  # noqa: E402
+from muon import build_optimizers  # noqa: E402
 
 SHAPE = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 32000}
 # bench/speedrun.py's `starter` variant, model flags only
@@ -50,20 +53,30 @@ def batch(B, T, seed=0):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train_step(model, x, y, return_logits):
-    model.zero_grad(set_to_none=True)
+def train_step(model, x, y, return_logits, optimizers=()):
     model(x, y, return_logits=return_logits)[1].backward()
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+
+
+def optimizers_of(name, model):
+    """train.py's optimizers for the variant (the learning rates do not change the step's cost)."""
+    tied = model.wte.weight if model.config.tie_embeddings else None
+    lrs = dict(muon_lr=0.05, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04)
+    return build_optimizers(model, **lrs, use_muon=name == "default", tied_head=tied)
 
 
 def step_times(rounds, seq_len=256, batch_size=8):
     torch.manual_seed(0)
     models = {name: get_model({**SHAPE, "seq_len": seq_len, **flags}) for name, flags in MODELS.items()}
+    optimizers = {name: optimizers_of(name, model) for name, model in models.items()}
     x, y = batch(batch_size, seq_len)
     runs = {(m, p): [] for m in models for p in PATHS}
     for r in range(rounds + 1):  # round 0 warms up
         for (m, p), times in runs.items():
             start = time.perf_counter()
-            train_step(models[m], x, y, PATHS[p])
+            train_step(models[m], x, y, PATHS[p], optimizers[m])
             if r:
                 times.append(1000 * (time.perf_counter() - start))
     return runs
@@ -73,7 +86,6 @@ def peak_bytes(model, x, y, return_logits):
     """(whole step, head + loss) peak live bytes above the start of each: CPU allocator events from the profiler,
     whose running total counts what was allocated while it ran (the gradients included)."""
     train_step(model, x, y, return_logits)  # warm-up
-    model.zero_grad(set_to_none=True)
 
     def mark_head(*_):
         with torch.profiler.record_function("head starts"):
@@ -99,8 +111,9 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared box)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
 
-    print(f"ms per forward + backward, seq 256 x 8 sequences, {args.threads} thread(s), {args.rounds} rounds")
+    print(f"ms per training step, seq 256 x 8 sequences, {args.threads} thread(s), {args.rounds} rounds")
     runs = step_times(args.rounds)
     starter = {p: min(runs["starter", p]) for p in PATHS}
     print(f"{'model':<9} {'path':<12} {'best':>7} {'median':>7} {'/ starter full':>15} {'/ starter chunked':>18}")

@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from model import LOSS_CHUNK_BYTES, get_model, head_loss  # noqa: E402
+import model as model_module  # noqa: E402
+from model import get_model, head_loss  # noqa: E402
 
 # vocab 500 is not a multiple of 128, so the padded head is exercised too
 SMALL = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=500, seq_len=32)
@@ -275,7 +276,7 @@ def test_softcap_hand_written_backward_matches_autograd():
 @pytest.fixture
 def chunks_of_24(monkeypatch):
     """24 rows a chunk at the padded vocabulary of 512: 2 x 32 tokens make chunks of 24, 24 and 16."""
-    monkeypatch.setitem(LOSS_CHUNK_BYTES, "cpu", 24 * 4 * 512)
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_BYTES", 24 * 4 * 512)
 
 
 def loss_and_grads(model, idx, targets, autocast=False, **kwargs):
@@ -376,15 +377,34 @@ def test_chunked_loss_for_evaluation_and_misuse(chunks_of_24):
         model(idx, return_logits=False)
 
 
-def test_compiled_training_step_matches_eager(chunks_of_24):
+@pytest.mark.parametrize("mode", ["whole", "per_block"])
+def test_compiled_training_step_matches_eager(chunks_of_24, mode):
     model = build(n_layer=1, n_embd=32, n_head=2, zero_init_proj=False)
     idx, targets = capped_batch(model)
     eager_loss, eager_grads = loss_and_grads(model, idx, targets, return_logits=False)
-    compiled_loss, compiled_grads = loss_and_grads(
-        torch.compile(model, fullgraph=True), idx, targets, return_logits=False
-    )
+    if mode == "whole":
+        compiled = torch.compile(model, fullgraph=True)
+    else:  # train.py's: each block and the head's chunk loss math (chunks of 24, 24, 16: two graphs)
+        model.compile_per_block()
+        compiled = model
+    compiled_loss, compiled_grads = loss_and_grads(compiled, idx, targets, return_logits=False)
     assert abs(compiled_loss.item() - eager_loss.item()) < 1e-5
     assert_grads_close(compiled_grads, eager_grads, 1e-4)
+    assert all("_orig_mod" not in name for name in model.state_dict())
+
+
+def test_compiled_uncapped_chunk_loss_matches_eager():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(100, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 100, (40,), generator=gen)
+    compiled = torch.compile(model_module.chunk_loss, fullgraph=True, dynamic=False)
+    results = []
+    for chunk_fn in (model_module.chunk_loss, compiled):
+        loss = head_loss(x, weight, targets, 0.0, rows=24, chunk_fn=chunk_fn)
+        results.append((loss, *torch.autograd.grad(loss, (x, weight))))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
 # ---- lengths and errors ----
