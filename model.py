@@ -39,9 +39,9 @@ LOG2E = 1 / math.log(2)
 
 
 def chunk_loss(y, targets, cap, need_grad):
-    """The loss math of one chunk, float32, in place on y (rows, V), the head matmul's output as HeadLoss scales it
-    (capped: -2/cap times x @ weight.T; uncapped: log2(e) times it). Returns (row losses, row sums of the exps, and
-    with need_grad the gradient of the row losses by x @ weight.T, each row times its sum and over the slope).
+    """The loss math of one chunk, float32, in place on y (rows, V): the head matmul's output as HeadLoss scales it
+    (capped: -2/cap times x @ weight.T; uncapped: log2(e) times it). Returns the row losses, the row sums of the
+    exps and, with need_grad, the rows' loss gradients by x @ weight.T, each times its row sum over HeadLoss's slope.
     A function of its own so that compiled runs fuse its passes (GPT.compile_per_block); eagerly, each is one
     memory-bound pass over the chunk."""
     if cap:

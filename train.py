@@ -250,7 +250,8 @@ def dry_run(hp, model_switches, say):
 
 @torch.no_grad()
 def evaluate(model, batches, device, amp):
-    """Mean next-token loss over this rank's fixed validation windows, averaged over ranks."""
+    """Mean next-token loss over this rank's fixed validation windows, averaged over ranks. Grad mode stays on:
+    compiled blocks guard on it, and under no_grad each would compile again, on the clock."""
     model.eval()
     total, count = torch.zeros((), device=device), 0
     for x, y in batches:
