@@ -157,6 +157,22 @@ def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
+class ReluSquared(torch.autograd.Function):
+    """relu(h)^2 with a two-pass backward, 2 relu(h) g: the relu's own mask is implied (relu(h) is 0 there).
+    Autograd of relu().square() takes four passes: pow's backward copies, scales and multiplies, then the mask."""
+
+    @staticmethod
+    def forward(ctx, h):
+        r = F.relu(h)
+        ctx.save_for_backward(r)
+        return r * r
+
+    @staticmethod
+    def backward(ctx, grad):
+        (r,) = ctx.saved_tensors
+        return torch.mul(grad, r).mul_(2)
+
+
 class Norm(nn.Module):
     """RMSNorm without gains (modded-nanogpt) or LayerNorm (the starter's baseline)."""
 
@@ -171,8 +187,9 @@ class Norm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE tables for whatever T arrives, recomputed per call (T x head_dim/2: negligible). No cached state,
-    so torch.compile sees the same guards on every call and compiles once."""
+    """RoPE tables for whatever T arrives, recomputed per call (T x head_dim: negligible). No cached state,
+    so torch.compile sees the same guards on every call and compiles once. Shaped (T, 1, head_dim) for q and k
+    laid out (B, T, H, D), and full-width (cos twice, sin then -sin) so apply_rotary is one multiply-add."""
 
     def __init__(self, head_dim, base):
         super().__init__()
@@ -180,14 +197,16 @@ class Rotary(nn.Module):
 
     def forward(self, T, device):
         inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim)
-        freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
-        return freqs.cos(), freqs.sin()
+        freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, -sin), dim=-1)
 
 
-def apply_rotary(x, cos, sin):  # x: (B, H, T, D)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    y = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
-    return y.type_as(x)
+def apply_rotary(x, cos, sin):
+    """Rotate each (x1, x2) pair of x (B, T, H, D) by its position's angle: (x1 cos + x2 sin, x2 cos - x1 sin),
+    as x * cos + (x2, x1) * sin with Rotary's full-width tables."""
+    xf = x.float()
+    return torch.addcmul(xf * cos, xf.roll(x.size(-1) // 2, dims=-1), sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -205,17 +224,17 @@ class Attention(nn.Module):
 
     def forward(self, x, ve, rope):
         B, T, C = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.c_k(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        v = self.c_v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        # (B, T, H, D) until attention: the norm and rotation then run on contiguous rows, no copies
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_head, self.head_dim)
         if self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if ve is not None:
-            ve = ve.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve.type_as(v)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve.view_as(v).type_as(v)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -230,7 +249,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h = self.c_fc(x)
-        h = F.relu(h).square() if self.relu2 else F.gelu(h)
+        h = ReluSquared.apply(h) if self.relu2 else F.gelu(h)
         return self.c_proj(h)
 
 

@@ -5,7 +5,9 @@
 1. ms per training step at the bench shape (4 layers, width 128, 4 heads, seq 256, 8 sequences, vocab 32,000):
    forward + backward of the whole model and the optimizer step, as train.py runs them (Muon + AdamW for the
    default, AdamW alone for the starter-like model, freed memory kept by launch.keep_freed_memory), for each model
-   through both paths. One process, the four alternate round by round; best and median of --rounds.
+   through both paths. One process; one path at a time, as a real run takes one, the two models alternating round
+   by round after WARMUP_ROUNDS. Best and median of --rounds, and the median of each round's own default / starter
+   ratio (neighbours in time share the box's load)
 2. Peak memory of one forward + backward at 8 x 1024 tokens, vocab 32,000: the CPU allocator's live bytes, read
    from the profiler's memory events (profile_memory=True), for the whole step and for head + loss alone, i.e. the
    highest live bytes after the final norm returns, minus those live at that moment.
@@ -67,18 +69,24 @@ def optimizers_of(name, model):
     return build_optimizers(model, **lrs, use_muon=name == "default", tied_head=tied)
 
 
+# Rounds before timing, per path: the heap stops growing (and faulting fresh pages in) after the third step or
+# so. Paths are not interleaved: freeing the full logits' gigabyte trims the heap, and the next step faults it back.
+WARMUP_ROUNDS = 4
+
+
 def step_times(rounds, seq_len=256, batch_size=8):
     torch.manual_seed(0)
     models = {name: get_model({**SHAPE, "seq_len": seq_len, **flags}) for name, flags in MODELS.items()}
     optimizers = {name: optimizers_of(name, model) for name, model in models.items()}
     x, y = batch(batch_size, seq_len)
     runs = {(m, p): [] for m in models for p in PATHS}
-    for r in range(rounds + 1):  # round 0 warms up
-        for (m, p), times in runs.items():
-            start = time.perf_counter()
-            train_step(models[m], x, y, PATHS[p], optimizers[m])
-            if r:
-                times.append(1000 * (time.perf_counter() - start))
+    for p, return_logits in PATHS.items():
+        for r in range(WARMUP_ROUNDS + rounds):
+            for m, model in models.items():
+                start = time.perf_counter()
+                train_step(model, x, y, return_logits, optimizers[m])
+                if r >= WARMUP_ROUNDS:
+                    runs[m, p].append(1000 * (time.perf_counter() - start))
     return runs
 
 
@@ -123,6 +131,12 @@ def main():
             f"{m:<9} {p:<12} {best:7.0f} {statistics.median(times):7.0f} {best / starter['full logits']:14.2f}x "
             f"{best / starter['chunked']:17.2f}x"
         )
+    ratios = sorted(d / s for d, s in zip(runs["default", "chunked"], runs["starter", "chunked"]))
+    quartiles = statistics.quantiles(ratios, n=4)
+    print(
+        f"default / starter, chunked, round by round: median {statistics.median(ratios):.3f}x "
+        f"(quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f})"
+    )
 
     print("\npeak live MB of one forward + backward, default model, seq 1024 x 8 sequences")
     torch.manual_seed(0)

@@ -407,6 +407,34 @@ def test_compiled_uncapped_chunk_loss_matches_eager():
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
+# ---- the body's hand-written pieces ----
+
+
+def test_relu_squared_backward_matches_autograd():
+    h = torch.randn(4, 64, dtype=torch.float64)
+    h = (h + 0.1 * h.sign()).requires_grad_()  # away from the kink at 0
+    assert torch.autograd.gradcheck(model_module.ReluSquared.apply, (h,))
+    g = torch.randn(4, 64, dtype=torch.float64)
+    (ours,) = torch.autograd.grad(model_module.ReluSquared.apply(h), h, g)
+    (ref,) = torch.autograd.grad(F.relu(h).square(), h, g)
+    assert torch.equal(ours, ref)
+
+
+def test_rotary_turns_each_pair_by_its_position_angle():
+    B, T, H, D, base = 2, 7, 3, 8, 100.0
+    x = torch.randn(B, T, H, D)
+    y = model_module.apply_rotary(x, *model_module.Rotary(D, base)(T, x.device))
+    angle = torch.arange(T)[:, None] * base ** (-torch.arange(0, D, 2) / D)  # (T, D/2)
+    cos, sin = angle.cos()[:, None], angle.sin()[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    torch.testing.assert_close(y, torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1))
+    # a rotation: norms kept, and q.k depends on the positions' difference only
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    same = torch.randn(1, 1, 1, D).expand(1, T, 1, D)
+    r = model_module.apply_rotary(same, *model_module.Rotary(D, base)(T, x.device))[0, :, 0]
+    torch.testing.assert_close((r[1:] * r[:-1]).sum(-1), (r[1:2] * r[:1]).sum(-1).expand(T - 1))
+
+
 # ---- lengths and errors ----
 
 
