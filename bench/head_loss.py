@@ -7,7 +7,7 @@
    default, AdamW alone for the starter-like model, freed memory kept by launch.keep_freed_memory), for each model
    through both paths. One process; one path at a time, as a real run takes one, the two models alternating round
    by round after WARMUP_ROUNDS. Best and median of --rounds, and the median of each round's own default / starter
-   ratio (neighbours in time share the box's load)
+   ratio (neighbours in time share the box's load).
 2. Peak memory of one forward + backward at 8 x 1024 tokens, vocab 32,000: the CPU allocator's live bytes, read
    from the profiler's memory events (profile_memory=True), for the whole step and for head + loss alone, i.e. the
    highest live bytes after the final norm returns, minus those live at that moment.

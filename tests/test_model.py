@@ -407,7 +407,7 @@ def test_compiled_uncapped_chunk_loss_matches_eager():
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
-# ---- the body's hand-written pieces ----
+# ---- ReLU² and RoPE ----
 
 
 def test_relu_squared_backward_matches_autograd():
