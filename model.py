@@ -42,8 +42,8 @@ def chunk_loss(y, targets, cap, need_grad):
     """The loss math of one chunk, float32, in place on y (rows, V): the head matmul's output as HeadLoss scales it
     (capped: -2/cap times x @ weight.T; uncapped: log2(e) times it). Returns the row losses, the row sums of the
     exps and, with need_grad, the rows' loss gradients by x @ weight.T, each times its row sum over HeadLoss's slope.
-    A function of its own so that compiled runs fuse its passes (GPT.compile_per_block); eagerly, each is one
-    memory-bound pass over the chunk."""
+    A function of its own so that compiled runs fuse its passes (GPT.compile_per_block); eagerly, each is a pass of
+    its own over the chunk (bandwidth-bound on GPU; on CPU the sigmoid's and exp2's arithmetic bounds them)."""
     if cap:
         s = y.sigmoid_()
         z = s * (-2 * cap * LOG2E)
@@ -366,7 +366,7 @@ class GPT(nn.Module):
 
     def compile_per_block(self):
         """torch.compile each block on its own (identical blocks share one graph, and DDP's buckets split nothing)
-        and the head's per-chunk loss math (eagerly, passes over the (rows, V) logits that memory bandwidth bounds).
+        and the head's per-chunk loss math (eagerly, one pass over the (rows, V) logits per op, bandwidth-bound on GPU).
         The embeddings and the head's matmuls stay eager; state_dict keys stay plain."""
         for block in self.blocks:
             block.compile(fullgraph=True, dynamic=False)
