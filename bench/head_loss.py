@@ -7,7 +7,10 @@
    default, AdamW alone for the starter-like model, freed memory kept by launch.keep_freed_memory), for each model
    through both paths. One process; one path at a time, as a real run takes one, the two models alternating round
    by round after WARMUP_ROUNDS. Best and median of --rounds, and the median of each round's own default / starter
-   ratio (neighbours in time share the box's load).
+   ratio (neighbours in time share the box's load). Each chunked step is also split by wall clock into phases:
+   the body's forward (to the final norm), the head's matmuls, its per-chunk loss math (model.chunk_loss, wrapped),
+   backward and the optimizers; their medians show where the default's extra time goes. (The profiler misplaces it:
+   it charged the cap's scalar multiply 25 ms a chunk, which timers put at 8.7.)
 2. Peak memory of one forward + backward at 8 x 1024 tokens, vocab 32,000: the CPU allocator's live bytes, read
    from the profiler's memory events (profile_memory=True), for the whole step and for head + loss alone, i.e. the
    highest live bytes after the final norm returns, minus those live at that moment.
@@ -55,11 +58,46 @@ def batch(B, T, seed=0):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train_step(model, x, y, return_logits, optimizers=()):
-    model(x, y, return_logits=return_logits)[1].backward()
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=True)
+class PhaseClock:
+    """A training step as train.py takes it, split by wall clock: the final norm's forward hook marks where the head
+    starts, a wrapper of model.chunk_loss sums the loss math's time, and the rest of the head's forward is its
+    matmuls (and a few small per-chunk ops)."""
+
+    def __init__(self, model):
+        self.model, self.chunk_fn, self.chunk_s, self.head_start = model, model.chunk_loss, 0.0, 0.0
+        model.chunk_loss = self.timed_chunk
+        model.norm_f.register_forward_hook(self.mark_head)
+
+    def timed_chunk(self, *args):
+        start = time.perf_counter()
+        out = self.chunk_fn(*args)
+        self.chunk_s += time.perf_counter() - start
+        return out
+
+    def mark_head(self, *_):
+        self.head_start = time.perf_counter()
+
+    def step(self, x, y, return_logits, optimizers):
+        """One training step; returns ms per phase (with full logits, "head matmuls" is the whole head and loss)."""
+        self.chunk_s = 0.0
+        start = time.perf_counter()
+        loss = self.model(x, y, return_logits=return_logits)[1]
+        forward_end = time.perf_counter()
+        loss.backward()
+        backward_end = time.perf_counter()
+        for opt in optimizers:
+            opt.step()
+        end = time.perf_counter()
+        self.model.zero_grad(set_to_none=True)
+        seconds = {
+            "body forward": self.head_start - start,
+            "head matmuls": forward_end - self.head_start - self.chunk_s,
+            "loss math": self.chunk_s,
+            "backward": backward_end - forward_end,
+            "optimizers": end - backward_end,
+            "step": end - start,
+        }
+        return {phase: 1000 * s for phase, s in seconds.items()}
 
 
 def optimizers_of(name, model):
@@ -79,21 +117,22 @@ def step_times(rounds, seq_len=256, batch_size=8):
     models = {name: get_model({**SHAPE, "seq_len": seq_len, **flags}) for name, flags in MODELS.items()}
     optimizers = {name: optimizers_of(name, model) for name, model in models.items()}
     x, y = batch(batch_size, seq_len)
+    clocks = {name: PhaseClock(model) for name, model in models.items()}
     runs = {(m, p): [] for m in models for p in PATHS}
     for p, return_logits in PATHS.items():
         for r in range(WARMUP_ROUNDS + rounds):
-            for m, model in models.items():
-                start = time.perf_counter()
-                train_step(model, x, y, return_logits, optimizers[m])
+            for m in models:
+                phases = clocks[m].step(x, y, return_logits, optimizers[m])
                 if r >= WARMUP_ROUNDS:
-                    runs[m, p].append(1000 * (time.perf_counter() - start))
+                    runs[m, p].append(phases)
     return runs
 
 
 def peak_bytes(model, x, y, return_logits):
     """(whole step, head + loss) peak live bytes above the start of each: CPU allocator events from the profiler,
     whose running total counts what was allocated while it ran (the gradients included)."""
-    train_step(model, x, y, return_logits)  # warm-up
+    model(x, y, return_logits=return_logits)[1].backward()  # warm-up
+    model.zero_grad(set_to_none=True)
 
     def mark_head(*_):
         with torch.profiler.record_function("head starts"):
@@ -122,7 +161,8 @@ def main():
     keep_freed_memory()
 
     print(f"ms per training step, seq 256 x 8 sequences, {args.threads} thread(s), {args.rounds} rounds")
-    runs = step_times(args.rounds)
+    phases = step_times(args.rounds)
+    runs = {key: [r["step"] for r in rounds] for key, rounds in phases.items()}
     starter = {p: min(runs["starter", p]) for p in PATHS}
     print(f"{'model':<9} {'path':<12} {'best':>7} {'median':>7} {'/ starter full':>15} {'/ starter chunked':>18}")
     for (m, p), times in runs.items():
@@ -137,6 +177,11 @@ def main():
         f"default / starter, chunked, round by round: median {statistics.median(ratios):.3f}x "
         f"(quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f})"
     )
+    print("\nthe chunked step by phase, median ms")
+    print(f"{'phase':<13} {'default':>8} {'starter':>8} {'extra':>7}")
+    for phase in phases["default", "chunked"][0]:
+        d, s = (statistics.median(r[phase] for r in phases[m, "chunked"]) for m in MODELS)
+        print(f"{phase:<13} {d:8.1f} {s:8.1f} {d - s:+7.1f}")
 
     print("\npeak live MB of one forward + backward, default model, seq 1024 x 8 sequences")
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""The benchmark scripts are not run here (they take minutes); these check that they start and parse flags."""
+"""The benchmark scripts are not run here (they take minutes); these check that they start and parse flags, and
+the step clock that bench/head_loss.py's phase table rests on."""
 
 import pathlib
 import subprocess
@@ -51,3 +52,25 @@ def test_every_speedrun_variant_parses_in_train():
 def test_gpu_check_is_valid_bash():
     result = subprocess.run(["bash", "-n", str(REPO / "bench/gpu_check.sh")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_head_loss_phase_clock_splits_the_step_without_changing_it():
+    """bench/head_loss.py's phases: each non-negative (the norm hook fired inside the forward), the loss math timed on
+    the chunked path only, the wrapped chunk_loss giving the unwrapped loss."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import head_loss
+    from model import get_model
+
+    config = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512, "seq_len": 16}
+    torch.manual_seed(0)
+    model = get_model(config)
+    x, y = torch.randint(0, 512, (2, 2, 16))
+    expected = model(x, y, return_logits=False)[1].item()
+    clock = head_loss.PhaseClock(model)
+    assert model(x, y, return_logits=False)[1].item() == expected
+    for return_logits in (False, True):
+        phases = clock.step(x, y, return_logits, ())
+        assert all(ms >= 0 for ms in phases.values()), phases
+        assert (phases["loss math"] > 0) != return_logits, phases
