@@ -112,7 +112,7 @@ def optimizers_of(name, model):
 WARMUP_ROUNDS = 4
 
 
-def step_times(rounds, seq_len=256, batch_size=8):
+def step_phases(rounds, seq_len=256, batch_size=8):
     torch.manual_seed(0)
     models = {name: get_model({**SHAPE, "seq_len": seq_len, **flags}) for name, flags in MODELS.items()}
     optimizers = {name: optimizers_of(name, model) for name, model in models.items()}
@@ -161,7 +161,7 @@ def main():
     keep_freed_memory()
 
     print(f"ms per training step, seq 256 x 8 sequences, {args.threads} thread(s), {args.rounds} rounds")
-    phases = step_times(args.rounds)
+    phases = step_phases(args.rounds)
     runs = {key: [r["step"] for r in rounds] for key, rounds in phases.items()}
     starter = {p: min(runs["starter", p]) for p in PATHS}
     print(f"{'model':<9} {'path':<12} {'best':>7} {'median':>7} {'/ starter full':>15} {'/ starter chunked':>18}")
