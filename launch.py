@@ -9,6 +9,7 @@ followed by an all-reduce of "ok", so one rank's error stops every rank at once 
 import ctypes
 import dataclasses
 import datetime
+import errno
 import fcntl
 import os
 import subprocess
@@ -17,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,8 +58,12 @@ def launch(hp, model_switches, stop_signal, say):
         int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
     )
     cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = torch.device("cpu")
     if cuda:
+        try:
+            device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+        except ValueError as e:
+            fail(f"error: {e}")
         torch.cuda.set_device(device)
     else:
         keep_freed_memory()
@@ -79,6 +85,7 @@ def launch(hp, model_switches, stop_signal, say):
     if not agree(error is None, device, world):
         fail(error or "error: the step-0 checkpoint could not be written; see rank 0's message")
     budget_s = training_budget(hp, rank, device, world, say)
+    say(versions(device))
     say(f"plan: {plan.line()}")
     say(
         f"{world} x {device.type} | compile {hp.compile} | autocast {hp.autocast} | grad reduce {hp.grad_reduce} | "
@@ -133,7 +140,7 @@ def checked_inputs(hp, model_switches, rank, world, device, say):
             bos_id=data.bos_id,
             vocab_size=hp.vocab_size,
         )
-        metrics = lock_metrics(hp.metrics_path) if rank == 0 else None
+        metrics = lock_metrics(hp.metrics_path, say) if rank == 0 else None
         error = None
     except ValueError as e:
         error = f"error: {e}"
@@ -165,6 +172,9 @@ def build_model(hp, plan, model_switches, device, world):
     )
     if hp.compile:
         torch._dynamo.config.optimize_ddp = False  # graphs are per block already
+        # backward graphs compiled in the first forward, not lazily in the first backward: a compiler that fails
+        # then fails before DDP's reducer expects a backward, and train.first_compiled_step can go on eagerly
+        torch._functorch.config.force_non_lazy_backward_lowering = True
         raw_model.compile_per_block()
     model = raw_model
     if world > 1:
@@ -198,18 +208,45 @@ def resolve(hp, device):
     )
 
 
-def lock_metrics(path):
-    """Open the metrics file for this run alone: a second run on the same path is an error, not mixed rows."""
+def lock_metrics(path, say):
+    """Open the metrics file for this run alone: a second run on the same path is an error, not mixed rows.
+    Storage that refuses locks (ENOLCK, ENOSYS: older Lustre, some NFS) is not "in use": the run goes on unlocked."""
     handle = open(path, "a")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            say(f"warning: {path} cannot be locked here ({e.strerror}); a second run on it would not be refused")
+            return handle
         handle.close()
         raise ValueError(
             f"--metrics_path {path} is in use by another running train.py; give this run another "
             f"--checkpoint_path or --metrics_path"
         ) from None
     return handle
+
+
+def cuda_index(local_rank, visible):
+    """The GPU of this rank: LOCAL_RANK when every rank sees the node's GPUs (torchrun), 0 when a launcher gives
+    each task one visible GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per rank)."""
+    if visible == 1:
+        return 0
+    if not 0 <= local_rank < visible:
+        raise ValueError(
+            f"LOCAL_RANK {local_rank} has no GPU: {visible} are visible to this process; launch one process per "
+            f"GPU, or give each process one GPU"
+        )
+    return local_rank
+
+
+def versions(device):
+    """One line that says what ran: torch, and on CUDA the CUDA and NCCL versions, the GPU and its capability."""
+    line = f"torch {torch.__version__}"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "none"
+        line += f" | CUDA {torch.version.cuda} | NCCL {nccl} | {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    return line
 
 
 def check_inputs(hp, rank, world):

@@ -114,18 +114,34 @@ class HeadLoss(torch.autograd.Function):
         return dx * grad, dw * grad, None, None, None, None, None, None
 
 
-# float32 logits per head_loss chunk. CPU: the (rows, C) @ (C, V) matmul gains up to ~500 rows (measured at C = 128:
-# 64 MB chunks take 0.88-0.95x the time of 16 MB ones, 4 MB ones 1.3x). GPU: a 64 MB pass (~20 us) outlasts a launch.
-LOSS_CHUNK_BYTES = 64 << 20
+# float32 logits per head_loss chunk, at most. CPU: the (rows, C) @ (C, V) matmul gains up to ~500 rows (measured at
+# C = 128: 64 MB chunks take 0.88-0.95x the time of 16 MB ones, 4 MB ones 1.3x). CUDA: every chunk reads and writes
+# the float32 (V, C) weight gradient; at l16w1024, micro-batch 26, 512 MB chunks make 8 chunks (~3 GB of that
+# traffic per micro-step) where 64 MB ones made 51 (~20 GB; BENCHMARKS.md).
+LOSS_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}
+
+
+def chunk_rows(n_rows, vocab_size, max_bytes):
+    """Rows per head_loss chunk: all of them if they fit in max_bytes of float32 logits, else a multiple of 128
+    (tensor-core tiles) that fits, preferring one that divides n_rows (compiled, a ragged last chunk is a graph of
+    its own)."""
+    cap = max(1, max_bytes // (4 * vocab_size))
+    if n_rows <= cap or cap < 128:  # below 128 rows: toy sizes, kept as asked
+        return min(n_rows, cap)
+    cap -= cap % 128
+    for rows in range(cap, cap // 2, -128):
+        if n_rows % rows == 0:
+            return rows
+    return cap
 
 
 def head_loss(x, weight, targets, cap=0.0, rows=None, chunk_fn=chunk_loss):
     """F.cross_entropy(cap * tanh(x @ weight.T / cap), targets) (cap 0: no cap) for x (N, C), weight (V, C) and
-    targets (N,), never holding the (N, V) logits. rows: tokens per chunk; by default from LOSS_CHUNK_BYTES.
+    targets (N,), never holding the (N, V) logits. rows: tokens per chunk; by default chunk_rows under LOSS_CHUNK_BYTES.
     chunk_fn: chunk_loss, or its compiled form."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    rows = rows or max(1, LOSS_CHUNK_BYTES // (4 * weight.size(0)))
+    rows = rows or chunk_rows(x.size(0), weight.size(0), LOSS_CHUNK_BYTES.get(device, LOSS_CHUNK_BYTES["cpu"]))
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return HeadLoss.apply(x, weight, targets.long(), cap, rows, dtype, need_grad, chunk_fn)
 
@@ -336,7 +352,8 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(T, device=idx.device))
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        x0 = x
+        # a copy, not an alias: compiled blocks guard on `x is x0`, and block 0 would be a graph of its own
+        x0, x = x, x.clone()
         rope = self.rotary(T, idx.device) if self.rotary is not None else None
         ves = [ve(idx) for ve in self.value_embeds]
         L, skips = len(self.blocks), []
@@ -371,6 +388,13 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.compile(fullgraph=True, dynamic=False)
         self.chunk_loss = torch.compile(chunk_loss, fullgraph=True, dynamic=False)
+
+    def compiled_graphs(self, micro_tokens, device_type):
+        """How many graphs compile_per_block makes in training at micro_tokens tokens per forward: one per kind of
+        block (with and without value embeddings) and one per chunk shape of the head's loss math."""
+        kinds = len({k is None for k in self.ve_index})
+        rows = chunk_rows(micro_tokens, self.padded_vocab, LOSS_CHUNK_BYTES.get(device_type, LOSS_CHUNK_BYTES["cpu"]))
+        return kinds + (1 if micro_tokens % rows == 0 else 2)
 
     def num_params(self, non_embedding=False):
         """All parameters, or those outside the lookup tables (wte/wpe/value embeddings).

@@ -243,14 +243,16 @@ def device_memory(device):
 # ----------------------------------------------------------------------------- the clock
 
 
-def last_step(step, elapsed, budget_s, step_s, reserve_s, max_steps):
-    """Index of the last step to run, or None when none fits: steps take step_s, and reserve_s of the time left
-    goes to planned validation. One step of slack, so a slow step cannot skip the final decay, except when only
-    one step fits: that one then runs at the floor."""
+def last_step(step, elapsed, budget_s, step_s, reserve_s, max_steps, planned_last):
+    """Index of the last step to run, or None to stop now: steps take step_s, and reserve_s of the time left goes
+    to planned validation. The planned steps end inside the budget; when none fits any more but the planned last
+    step has not run, it still starts inside the budget (and ends less than a step past it), so the run always
+    ends on its floor-LR step. No whole step of slack: with the organizers' step cap a step can be ~1/7 of the
+    budget."""
     fit = int((budget_s - elapsed - reserve_s) / step_s)
     if fit < 1:
-        return None
-    return min(max_steps - 1, step + max(fit - 1, 1) - 1)
+        return step if step <= planned_last and elapsed < budget_s - reserve_s else None
+    return min(max_steps - 1, step + fit - 1)
 
 
 def next_sync(step, last, step_s, log_every_s):
@@ -268,50 +270,139 @@ def progress(step, last, end_forecast_s, budget_s, max_steps, previous):
 
 
 def corrected_accum(step, elapsed, budget_s, step_s, reserve_s, max_steps, accum):
-    """The accumulation that keeps the rest of the budget inside STEP_HEADROOM x max_steps at the measured step
-    time (assumed proportional to accumulation), or None when the current one already does."""
-    needed = (budget_s - elapsed - reserve_s) / step_s
-    available = STEP_HEADROOM * max_steps - step
-    if needed <= max(available, 0) + 1:
+    """The accumulation whose whole steps, at the measured step time (assumed proportional to accumulation), fill
+    most of the rest of the budget within STEP_HEADROOM x max_steps, or None when the current one already fits.
+    With few steps left the rounding matters: 29 s and 5 steps of 0.5 s per accumulation take 11, not 10."""
+    remaining = budget_s - elapsed - reserve_s
+    available = max(int(STEP_HEADROOM * max_steps) - step, 1)
+    if int(remaining / step_s) <= available:
         return None
-    return math.ceil(accum * needed / max(available, 1))
+    smallest = math.ceil(accum * remaining / (step_s * (available + 1)))
+    while int(remaining / (step_s * smallest / accum)) > available:
+        smallest += 1
+
+    def used_s(new):
+        new_step_s = step_s * new / accum
+        return int(remaining / new_step_s) * new_step_s
+
+    return max(range(smallest, 2 * smallest + 1), key=used_s)
+
+
+# periodic validations together take at most VAL_SHARE of the budget, the final one FINAL_VAL_SHARE; before one is
+# measured, a validation token is forecast to cost VAL_TOKEN_COST training tokens (a forward is a third of the FLOPs,
+# run eagerly and unfused)
+VAL_SHARE = 0.1
+FINAL_VAL_SHARE = 0.25
+VAL_TOKEN_COST = 0.5
 
 
 class Clock:
     """The loop's time keeping, fed at every host sync with numbers all ranks agree on, so they decide alike:
-    the steady step time (pauses taken out), the time kept for the periodic validations still to come, raising the
+    the steady step time (pauses taken out), what the periodic validations still to come may take, raising the
     accumulation (in the first half, only upward) when the step cap would end the run before the budget, the last
     step and the next sync. Pure arithmetic: unit-testable without sleeping."""
 
-    def __init__(self, budget_s, max_steps, accum, log_every_s, may_replan, val_every_s=0.0, val_until_s=0.0):
+    def __init__(
+        self,
+        budget_s,
+        max_steps,
+        accum,
+        log_every_s,
+        may_replan,
+        micro_tokens=1,
+        val_every_s=0.0,
+        val_until_s=0.0,
+        val_batches=0,
+        val_tokens=0,
+    ):
         self.budget_s, self.max_steps, self.accum, self.log_every_s = budget_s, max_steps, accum, log_every_s
-        self.may_replan, self.notes = may_replan, []
+        self.may_replan, self.micro_tokens, self.notes = may_replan, micro_tokens, []
         self.val_every_s, self.val_until_s = val_every_s, val_until_s  # periodic validation stops at val_until_s
+        self.val_batches, self.val_tokens, self.val_token_s = val_batches, val_tokens, None
         self.step_s, self.compile_s, self.last, self.sync_at = None, 0.0, max_steps - 1, 0
+        self.end_s = budget_s  # forecast end of training: the budget, or sooner when the step cap binds
         self.prev_step, self.prev_elapsed, self.prev_paused = 0, 0.0, 0.0
+        self._said = set()
 
-    def validation_due(self, elapsed, last_val):
-        return self.val_every_s > 0 and elapsed - last_val >= self.val_every_s and elapsed < self.val_until_s
+    def _say_once(self, key, note):
+        if key not in self._said:
+            self._said.add(key)
+            self.notes.append(note)
 
-    def sync(self, step, elapsed, paused, val_s):
-        """Take the clock after `step` steps: elapsed and paused (validation, saves) seconds, and val_s, what one
-        validation takes. Returns the stop reason, or None to go on."""
+    def _val_batch_s(self):
+        """Forecast seconds of a validation batch: from the measured cost of a validation token or, before one is
+        measured, VAL_TOKEN_COST x a training token's."""
+        token_s = self.val_token_s or VAL_TOKEN_COST * self.step_s / (self.micro_tokens * self.accum)
+        return token_s * self.val_tokens / self.val_batches
+
+    def _val_count(self):
+        """Periodic validations the run is forecast to take."""
+        return max(1, int(min(self.val_until_s, self.end_s) / self.val_every_s))
+
+    def _batches_per_validation(self):
+        """(batches one periodic validation scores, its forecast seconds): the whole set, or as many batches as fit
+        in its share of the forecast training time."""
+        batch_s = self._val_batch_s()
+        batches = min(self.val_batches, int(VAL_SHARE * self.end_s / self._val_count() / batch_s))
+        return batches, batches * batch_s
+
+    def final_validation_batches(self):
+        """Batches the final validation scores: all of them, or at least one and as many as fit in FINAL_VAL_SHARE
+        of the budget (it runs after the clock, but before the job's wall)."""
+        if self.step_s is None and self.val_token_s is None:
+            return self.val_batches
+        batch_s = self._val_batch_s()
+        batches = max(1, min(self.val_batches, int(FINAL_VAL_SHARE * self.budget_s / batch_s)))
+        if batches < self.val_batches:
+            self.notes.append(
+                f"validation: the final one scores {batches} of {self.val_batches} batches (~{batches * batch_s:.2g} "
+                f"s), at most {FINAL_VAL_SHARE:.0%} of the budget; lower --val_eval_tokens to score them all"
+            )
+        return batches
+
+    def validation_batches(self, elapsed, last_val):
+        """How many validation batches to score now: 0 when none is due (or the step time is not measured yet, or
+        not even one batch fits in a validation's share of the budget)."""
+        due = self.val_every_s > 0 and elapsed - last_val >= self.val_every_s and elapsed < self.val_until_s
+        if not due or self.step_s is None or not self.val_batches:
+            return 0
+        batches, forecast_s = self._batches_per_validation()
+        if batches == 0:
+            self._say_once(
+                "skip",
+                f"validation: skipped; one batch would outlast a validation's share of the budget "
+                f"({VAL_SHARE:.0%} over {self._val_count()} validations); the final one still runs",
+            )
+        elif batches < self.val_batches:
+            self._say_once(
+                "shrink",
+                f"validation: {batches} of {self.val_batches} batches per periodic validation (~{forecast_s:.2g} s), "
+                f"so that together they take at most {VAL_SHARE:.0%} of the budget; the final one scores all",
+            )
+        return batches
+
+    def sync(self, step, elapsed, paused, val_token_s):
+        """Take the clock after `step` steps: elapsed and paused (validation, saves) seconds, and val_token_s, what a
+        validation token took (0 before the first validation). Returns the stop reason, or None to go on."""
         steps = step - self.prev_step
         interval = (elapsed - self.prev_elapsed - (paused - self.prev_paused)) / max(steps, 1)
         if step == 1:
             self.compile_s = elapsed  # the first step carries compilation and warm-up
-        elif step > 2 and steps:  # from step 2 on the step time is steady
+        elif step > 1 and steps:  # from step 1 on the step time is measured
             if self.step_s is not None and interval > 3 * self.step_s:
                 self.notes.append(
                     f"stall: {(interval - self.step_s) * steps:.1f} s lost between steps {self.prev_step} and {step}"
                 )
             self.step_s = interval if self.step_s is None else 0.5 * self.step_s + 0.5 * interval
         self.prev_step, self.prev_elapsed, self.prev_paused = step, elapsed, paused
+        self.val_token_s = val_token_s or self.val_token_s
         if step >= self.max_steps:
             return "max_steps"
-        future_vals = math.ceil((self.val_until_s - elapsed) / self.val_every_s) if self.val_every_s > 0 else 0
-        reserve_s = max(future_vals, 0) * val_s
-        if self.may_replan and self.step_s is not None and step >= 4 and elapsed < self.budget_s / 2:
+        reserve_s = 0.0
+        if self.val_every_s > 0 and self.step_s is not None:
+            future_vals = max(math.ceil((self.val_until_s - elapsed) / self.val_every_s), 0)
+            reserve_s = future_vals * self._batches_per_validation()[1]
+        if self.may_replan and self.step_s is not None and elapsed < self.budget_s / 2:
             # the device is faster than the plan: accumulate more so the step cap does not end the run early
             new = corrected_accum(step, elapsed, self.budget_s, self.step_s, reserve_s, self.max_steps, self.accum)
             if new is not None:
@@ -321,14 +412,15 @@ class Clock:
                 )
                 self.step_s, self.accum = self.step_s * new / self.accum, new
         forecast_s = self.step_s if self.step_s is not None else max(elapsed, 1e-3) / max(step, 1)
-        planned = last_step(step, elapsed, self.budget_s, forecast_s, reserve_s, self.max_steps)
-        if planned is None and step > 0:
-            return "time_limit"
+        planned = last_step(step, elapsed, self.budget_s, forecast_s, reserve_s, self.max_steps, self.last)
+        if planned is None:
+            return "time_limit" if step > 0 else None
+        self.last = planned  # before the first measured step, planned from the compile step: early, never late
         if self.step_s is None:
-            self.sync_at = step + 1  # steps 0-2: compile time, then the first steady step
+            self.sync_at = step + 1  # steps 0-1: compile time, then the first measured step
         else:
-            self.last = planned
             self.sync_at = next_sync(step, self.last, self.step_s, self.log_every_s)
+            self.end_s = min(self.budget_s, elapsed + reserve_s + (self.last - step + 1) * self.step_s)
         return None
 
     def progress(self, step, previous):

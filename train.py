@@ -232,7 +232,8 @@ def main(argv=None):
 
 def print_on_rank0(message):
     if int(os.environ.get("RANK", 0)) == 0:
-        print(message, flush=True)
+        tqdm.write(message, file=sys.stdout)  # above the progress bar, not on its line
+        sys.stdout.flush()
 
 
 def dry_run(hp, model_switches, say):
@@ -250,15 +251,18 @@ def dry_run(hp, model_switches, say):
 
 @torch.no_grad()
 def evaluate(model, batches, device, amp):
-    """Mean next-token loss over this rank's fixed validation windows, averaged over ranks. Grad mode stays on:
-    compiled blocks guard on it, and under no_grad each would compile again, on the clock."""
+    """Mean next-token loss over these validation batches of this rank, averaged over ranks. Eager and without
+    autograd, so validation compiles no graph of its own whatever its batch shapes, and costs less than the
+    training graphs would (BENCHMARKS.md: at l16w128 on CPU, 627 ms a batch against 1,165 ms compiled with grad on,
+    where the head's gradients are taken in forward)."""
     model.eval()
     total, count = torch.zeros((), device=device), 0
-    for x, y in batches:
-        with amp:
-            _, loss = model(x.to(device), y.to(device), return_logits=False)
-        total += loss.float() * y.numel()  # token-weighted: the last batch may be smaller
-        count += y.numel()
+    with torch.compiler.set_stance("force_eager"):
+        for x, y in batches:
+            with amp:
+                _, loss = model(x.to(device), y.to(device), return_logits=False)
+            total += loss.float() * y.numel()  # token-weighted: the last batch may be smaller
+            count += y.numel()
     model.train()
     stats = torch.stack([total, torch.tensor(float(count), device=device)])
     if dist.is_initialized():
@@ -279,28 +283,33 @@ def train(run):
         plan.grad_accum_steps,
         hp.log_every_s,
         may_replan=hp.batch_tokens == "auto",
+        micro_tokens=plan.micro_batch * hp.seq_len,
         val_every_s=hp.val_every_min * 60,
         val_until_s=run.budget_s * (1 - hp.decay_frac),
+        val_batches=len(run.val),
+        val_tokens=sum(y.numel() for _, y in run.val),
     )
     log = Logger(run, clock)
     gc.collect()
     gc.disable()  # a collection pause on one rank stalls all of them
     loss_sum = torch.zeros((), device=device)
-    step, tokens, done, lr_frac, paused, val_s, last_save, last_val = 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    stop_reason = None
+    step, tokens, done, lr_frac, paused, val_token_s, last_save, last_val = 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    stop_reason = compile_fallback = None
     t0 = time.perf_counter()  # the clock starts right before the first forward pass, on every rank together
     clock_start_unix = time.time()
     while True:
         if step >= clock.sync_at or step > clock.last:
             # --- host sync: one all-reduce for the slowest rank's clock, its pauses and any stop signal ---
-            stats = torch.tensor([time.perf_counter() - t0, paused, val_s, float(bool(run.stop_signal))], device=device)
+            stats = torch.tensor(
+                [time.perf_counter() - t0, paused, val_token_s, float(bool(run.stop_signal))], device=device
+            )
             mean_loss = loss_sum / max(step - clock.prev_step, 1)
             if run.world > 1:
                 dist.all_reduce(stats, op=dist.ReduceOp.MAX)
                 dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
-            elapsed, paused_all, val_s_all, signalled = stats.tolist()
+            elapsed, paused_all, val_token_s_all, signalled = stats.tolist()
             log.row(step, tokens, elapsed, lr_frac, mean_loss.item())
-            stop_reason = "signal" if signalled else clock.sync(step, elapsed, paused_all, val_s_all)
+            stop_reason = "signal" if signalled else clock.sync(step, elapsed, paused_all, val_token_s_all)
             log.notes()
             if run.rank == 0:
                 log.failed_save(wait=False)
@@ -312,11 +321,12 @@ def train(run):
                 log.failed_save()
                 run.checkpointer.save(run.raw_model, log.meta(step, tokens), background=True)
                 last_save = elapsed
-            if clock.validation_due(elapsed, last_val):
+            if val_batches := clock.validation_batches(elapsed, last_val):
                 val_start = time.perf_counter()
-                val_loss = evaluate(run.raw_model, run.val, device, amp)
+                val_loss = evaluate(run.raw_model, run.val[:val_batches], device, amp)
                 log.emit({"step": step, "elapsed_s": round(elapsed, 3), "tokens": tokens, "val_loss": val_loss})
-                val_s, last_val = time.perf_counter() - val_start, elapsed
+                val_tokens = sum(y.numel() for _, y in run.val[:val_batches])
+                val_token_s, last_val = (time.perf_counter() - val_start) / val_tokens, elapsed
             paused += time.perf_counter() - pause_start
 
         # --- one optimizer step ---
@@ -328,14 +338,11 @@ def train(run):
                 group["lr"] = group["base_lr"] * lr_frac
                 if "momentum" in group:
                     group["momentum"] = momentum
-        for micro in range(clock.accum):
-            x, y = next(run.loader)
-            # gradients are all-reduced once per optimizer step, on the last micro-step
-            with run.model.no_sync() if run.world > 1 and micro < clock.accum - 1 else nullcontext():
-                with amp:
-                    _, loss = run.model(x, y, return_logits=False)
-                (loss / clock.accum).backward()
-            loss_sum += loss.detach() / clock.accum
+        if step == 0 and hp.compile:
+            step_loss, compile_fallback = first_compiled_step(run, clock.accum, amp)
+        else:
+            step_loss = accumulate(run, clock.accum, amp)
+        loss_sum += step_loss
         for opt in run.optimizers:
             opt.step()
         run.model.zero_grad(set_to_none=True)
@@ -343,10 +350,61 @@ def train(run):
         tokens += run.world * plan.micro_batch * hp.seq_len * clock.accum
     gc.enable()
     run.loader.close()
-    finish(run, log, clock, amp, step, tokens, time.perf_counter() - t0, lr_frac, stop_reason, clock_start_unix)
+    finish(
+        run,
+        log,
+        clock,
+        amp,
+        step,
+        tokens,
+        time.perf_counter() - t0,
+        lr_frac,
+        stop_reason,
+        clock_start_unix,
+        compile_fallback,
+    )
 
 
-def finish(run, log, clock, amp, step, tokens, train_s, lr_frac, stop_reason, clock_start_unix):
+# after step 0 a graph that training did not compile then runs eagerly: no recompile can stall the clock or hit
+# dynamo's recompile limit (tests set "fail_on_recompile" to prove that none is asked for)
+RECOMPILE_STANCE = "eager_on_recompile"
+
+
+def accumulate(run, accum, amp):
+    """Forward and backward of one optimizer step's micro-batches; the mean loss, as a tensor (no host sync)."""
+    step_loss = torch.zeros((), device=run.device)
+    for micro in range(accum):
+        x, y = next(run.loader)
+        # gradients are all-reduced once per optimizer step, on the last micro-step
+        with run.model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
+            with amp:
+                _, loss = run.model(x, y, return_logits=False)
+            (loss / accum).backward()
+        step_loss += loss.detach() / accum
+    return step_loss
+
+
+def first_compiled_step(run, accum, amp):
+    """Step 0, which compiles every graph training uses: (mean loss, None), or (mean loss, why) when compiling
+    failed (a Triton or ptxas that does not know the GPU; on CPU, no working C++ compiler). Then the attempt is
+    lost, not the slot: the step runs again eagerly, and so does the rest of the run, whose step time the clock
+    measures from step 1 on. Backward graphs are compiled in the first forward (launch.py), so a failure comes
+    before DDP's reducer expects a backward."""
+    try:
+        step_loss = accumulate(run, accum, amp)
+    except Exception as e:
+        if isinstance(e, dist.DistError):
+            raise
+        why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        run.say(f"warning: compiling failed at the first step ({why}); training goes on eagerly")
+        torch.compiler.set_stance("force_eager")
+        run.model.zero_grad(set_to_none=True)
+        return accumulate(run, accum, amp), why
+    torch.compiler.set_stance(RECOMPILE_STANCE)
+    return step_loss, None
+
+
+def finish(run, log, clock, amp, step, tokens, train_s, lr_frac, stop_reason, clock_start_unix, compile_fallback):
     """After the clock: save first, then validate (a slow eval can never cost the checkpoint), then the summary."""
     hp, device = run.hp, run.device
     saved = True
@@ -358,7 +416,9 @@ def finish(run, log, clock, amp, step, tokens, train_s, lr_frac, stop_reason, cl
         except CheckpointError as e:
             run.say(f"error: the final save failed: {e}")
             saved = False
-    val_loss = evaluate(run.raw_model, run.val, device, amp)
+    val_batches = clock.final_validation_batches()
+    log.notes()
+    val_loss = evaluate(run.raw_model, run.val[:val_batches], device, amp)
     log.emit({"step": step, "elapsed_s": round(train_s, 3), "tokens": tokens, "val_loss": val_loss})
     first_clock = torch.tensor([clock_start_unix], device=device, dtype=torch.float64)
     bad_windows = torch.tensor([run.loader.bad_windows], device=device)
@@ -372,9 +432,15 @@ def finish(run, log, clock, amp, step, tokens, train_s, lr_frac, stop_reason, cl
         "train_s": round(train_s, 3),
         "tokens_per_s": round(tokens / max(train_s, 1e-9)),
         "compile_s": round(clock.compile_s, 3),
+        "compiled_graphs": compiled_graphs() if run.hp.compile else 0,
+        "planned_graphs": run.raw_model.compiled_graphs(run.plan.micro_batch * hp.seq_len, device.type)
+        if run.hp.compile
+        else 0,
+        "compile_fallback": compile_fallback,
         "final_lr_frac": lr_frac,
         "stop_reason": stop_reason,
         "val_loss": val_loss,
+        "val_batches": val_batches,
         "params": run.raw_model.num_params(),
         "world_size": run.world,
         "budget_s": round(run.budget_s, 3),
@@ -391,6 +457,11 @@ def finish(run, log, clock, amp, step, tokens, train_s, lr_frac, stop_reason, cl
     log.close()
     if not saved:
         sys.exit(1)
+
+
+def compiled_graphs():
+    """Graphs torch.compile made in this process (dynamo's own count)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 class Logger:

@@ -41,8 +41,8 @@ from model import get_model
 from muon import build_optimizers
 from plan import peak_flops
 
-SHAPES = {  # l2w64: a smoke test
-    "l2w64": {"n_layer": 2, "n_head": 2, "n_embd": 64},
+SHAPES = {  # l8w64: a smoke test deep enough for blocks with and without value embeddings
+    "l8w64": {"n_layer": 8, "n_head": 2, "n_embd": 64},
     "l12w768": {"n_layer": 12, "n_head": 6, "n_embd": 768},
     "l16w1024": {"n_layer": 16, "n_head": 8, "n_embd": 1024},
 }

@@ -1,60 +1,71 @@
 #!/usr/bin/env bash
-# One-call check for a single-GPU machine, under 10 minutes, ending in tables for BENCHMARKS.md:
+# One-call check for a single-GPU machine, ending in tables for BENCHMARKS.md, in the order of what matters most:
 #   1. the CUDA paths (per-block compiled bf16 model vs eager, the fused head + loss, Muon in bf16, fused AdamW,
 #      the pinned loader);
-#   2. cold compile time of the whole model vs each block (l12w768, micro-batch 8), then per-block tokens/s, MFU,
-#      optimizer time and peak memory at micro-batch 8, 16 and 32 for l12w768 and l16w1024 with train.py's fused
-#      head + loss (bench/compile_time.py: a fresh process and an empty compile cache per row);
-#   3. a short compiled bf16 train.py run of l12w768 on synthetic 32K-vocab data.
-# Each part runs under its own timeout, all inside one deadline, so a failure or a hang keeps the other parts'
-# output; the exit status is the first failing part's.
+#   2. the event shape end to end: a compiled bf16 train.py run of l16w1024 at the plan's micro-batch on synthetic
+#      32K-vocab data, with periodic and final validation, and its summary (compile time, graphs, tokens/s, MFU,
+#      the plan's forecast against the measured step);
+#   3. per-block tokens/s, MFU, optimizer time and peak memory at micro-batch 8, 16 and 32 for l12w768 and
+#      l16w1024 with train.py's fused head + loss (bench/compile_time.py: a fresh process and an empty compile
+#      cache per row), then the cold compile time of the whole model against each block.
+# Each part runs under its own timeout, cut to one deadline (default 360 s: the device lends 15 minutes a session,
+# so a rerun still fits); a failure or a hang keeps the other parts' output. Each part's output is appended to
+# $OUT/results.md as it finishes. The exit status is the first failing part's.
 #   bash bench/gpu_check.sh [TRAIN_MIN]       TRAIN_MIN: the training budget in minutes, default 1
-#   SMOKE=1 bash bench/gpu_check.sh 0.2       the same steps on CPU at a tiny size: checks the script itself
+#   SMOKE=1 bash bench/gpu_check.sh 0.3       the same parts on CPU at 8 layers, tiny: checks the script itself
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRAIN_MIN=${1:-1}
 OUT=${OUT:-runs/gpu_check}
-DEADLINE=$((SECONDS + ${GPU_CHECK_S:-570}))  # the device tool stops a command at 600 s
+DEADLINE=$((SECONDS + ${GPU_CHECK_S:-360}))
 mkdir -p "$OUT"
+RESULTS=$OUT/results.md
 export PYTHONUNBUFFERED=1
 if [[ ${SMOKE:-0} == 1 ]]; then
-    DEVICE=cpu COMPARE=l2w64 SHAPES=l2w64 BATCH=1,2 SEQ=32 THREADS=1 TOKENS=2000000
-    TRAIN_SHAPE="--model l2w64 --batch_size 2 --seq_len 64"
+    DEVICE=cpu COMPARE=l8w64 SHAPES=l8w64 BATCH=1 SEQ=32 THREADS=1 TOKENS=2000000 PATHS="8 64 64 256"
+    MODES=per_block  # compiling the whole model takes minutes on CPU
+    TRAIN_SHAPE="--n_layer 8 --n_head 2 --n_embd 64 --batch_size 2 --seq_len 64 --val_eval_tokens 4160"
 else
     DEVICE=cuda COMPARE=l12w768 SHAPES=l12w768,l16w1024 BATCH=8,16,32 SEQ=1024 THREADS=8 TOKENS=100000000
-    TRAIN_SHAPE="--model l12w768 --batch_size 32 --seq_len 1024"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    MODES=whole,per_block
+    PATHS="4 256 4096 3072"  # layers, width, the longest eager length, Newton-Schulz columns
+    TRAIN_SHAPE="--model l16w1024 --batch_size 8 --seq_len 1024 --batch_tokens 131072"  # more steps in a minute
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$RESULTS"
 fi
+echo "# gpu_check $(date -u +%FT%TZ) on $DEVICE" >>"$RESULTS"
 status=0
 
 part() {  # part SECONDS NAME COMMAND...: run it under a timeout cut to the deadline; on failure say so and go on
     local seconds=$1 name=$2 rc=0
     shift 2
     seconds=$((seconds < DEADLINE - SECONDS ? seconds : DEADLINE - SECONDS))
-    echo "== $name"
+    echo "== $name" | tee -a "$RESULTS"
     if ((seconds <= 0)); then
-        echo "!! $name: skipped, the deadline has passed"
+        echo "!! $name: skipped, the deadline has passed" | tee -a "$RESULTS"
         ((status)) || status=1
         return
     fi
-    timeout "$seconds" "$@" || rc=$?
+    # SIGTERM first (train.py then saves and validates), SIGKILL 15 s later: no part outlives its slot
+    timeout --kill-after=15 "$seconds" "$@" 2>&1 | tee -a "$RESULTS" || rc=${PIPESTATUS[0]}
     if ((rc != 0)); then
-        echo "!! $name: exit $rc$( ((rc == 124)) && echo ", timed out after ${seconds} s")"
+        echo "!! $name: exit $rc$( ((rc == 124)) && echo ", timed out after ${seconds} s")" | tee -a "$RESULTS"
         ((status)) || status=$rc
     fi
 }
 
-part 120 "CUDA paths: per-block compiled bf16 model vs eager, fused head, Muon in bf16, the loader" \
-    python - "$DEVICE" <<'EOF'
+part 90 "CUDA paths: per-block compiled bf16 model vs eager, fused head, Muon in bf16, the loader" \
+    python - "$DEVICE" $PATHS <<'EOF'
 import math, sys, torch
 from model import get_model
 from muon import build_optimizers, zeropower_via_newtonschulz
 from data import BatchLoader, synthetic_tokens
 dev = torch.device(sys.argv[1])
+layers, width, longest, ns_cols = map(int, sys.argv[2:])
 amp = torch.autocast(dev.type, dtype=torch.bfloat16)
-m = get_model({"vocab_size": 32000, "n_layer": 4, "n_embd": 256, "n_head": 4, "zero_init_proj": False}).to(dev)
+m = get_model({"vocab_size": 32000, "n_layer": layers, "n_embd": width, "n_head": 4, "zero_init_proj": False})
+m = m.to(dev)
 idx = torch.randint(0, 32000, (4, 256), device=dev)
-for T in (1, 7, 4096):  # eager, before compiling: every length is one more graph for dynamic=False blocks
+for T in (1, 7, longest):  # eager, before compiling: every length is one more graph for dynamic=False blocks
     assert m(idx[:, :1].repeat(1, T))[0].shape == (4, T, 32000)
 with amp:
     _, loss_e = m(idx, idx)
@@ -66,7 +77,7 @@ assert abs(loss_e.item() - loss_c.item()) < 0.05, (loss_e.item(), loss_c.item())
 assert abs(loss_f.item() - loss_c.item()) < 0.05, (loss_f.item(), loss_c.item())
 assert abs(loss_e.item() - math.log(32000)) < 1.0
 assert not any("_orig_mod" in k for k in m.state_dict())
-s = torch.linalg.svdvals(zeropower_via_newtonschulz(torch.randn(8, 768, 3072, device=dev)).float())
+s = torch.linalg.svdvals(zeropower_via_newtonschulz(torch.randn(8, ns_cols // 4, ns_cols, device=dev)).float())
 assert 0.5 < s.min() and s.max() < 1.3, (s.min().item(), s.max().item())
 opts = build_optimizers(m, muon_lr=0.05, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04)
 assert opts[1].defaults.get("fused") or dev.type != "cuda", "AdamW should be fused on CUDA"
@@ -77,37 +88,41 @@ loader.close()
 print(f"{dev.type} checks passed")
 EOF
 
-part 200 "cold compile: whole model vs per block, $COMPARE" \
-    python bench/compile_time.py --device "$DEVICE" --shapes "$COMPARE" --batch "${BATCH%%,*}" --seq "$SEQ" \
-    --threads "$THREADS" --timeout 150
-part 300 "per-block steps by micro-batch, train.py's fused head + loss: $SHAPES" \
-    python bench/compile_time.py --device "$DEVICE" --modes per_block --shapes "$SHAPES" --batch "$BATCH" \
-    --seq "$SEQ" --head fused --optimizer --steps 5 --threads "$THREADS" --timeout 100
-
-part 60 "synthetic data" python data.py synth "$OUT/data" --tokens "$TOKENS"
-# the whole log goes to a file; the console gets its last lines without the progress bar
+part 30 "synthetic data" python data.py synth "$OUT/data" --tokens "$TOKENS" --vocab_size 32000
+# the whole log goes to a file; the console and results get its last lines without the progress bar
 # shellcheck disable=SC2086
-part "$(awk "BEGIN { print int($TRAIN_MIN * 60 + 150) }")" "${TRAIN_MIN}-minute train.py run: $TRAIN_SHAPE on $DEVICE" \
-    bash -c 'python train.py "${@:2}" >"$1/train.log" 2>&1; rc=$?; grep -v "|" "$1/train.log" | tail -n 6; exit $rc' \
-    _ "$OUT" --data_dir "$OUT/data" --vocab_size 32000 $TRAIN_SHAPE --device "$DEVICE" --time_limit_min "$TRAIN_MIN" \
-    --checkpoint_path "$OUT/checkpoint.pt"
-part 30 "train.py run summary" python - "$OUT/metrics.jsonl" <<'EOF'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-s = rows[-1]
-steady = [r for r in rows if "tokens_per_s" in r and "train_loss" in r][1:]  # the first row carries compilation
-steady = steady[len(steady) // 2:]
-tok = sum(r["tokens_per_s"] for r in steady) / len(steady)
-mfu = sum(r.get("mfu", 0.0) for r in steady) / len(steady)
-print("| compile s | tokens/s (steady) | MFU (bf16 peak) | peak mem GiB | steps | final train loss | val loss |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
-print(f"| {s['compile_s']:.1f} | {tok:,.0f} | {mfu:.1%} | {s['peak_mem_gib']} | {s['steps']} | "
-      f"{[r for r in rows if 'train_loss' in r][-1]['train_loss']:.3f} | {s['val_loss']:.3f} |")
-plan = s["plan"]  # the run plan's forecast next to what the device did (issue: calibrate AUTO_EFFICIENCY["cuda"])
-step_ms = 1e3 * s["tokens"] / s["steps"] / tok if s["steps"] else float("nan")
+part "$(awk "BEGIN { print int($TRAIN_MIN * 60 + 90) }")" "${TRAIN_MIN}-minute compiled train.py run: $TRAIN_SHAPE" \
+    bash -c 'python train.py "${@:2}" >"$1/train.log" 2>&1; rc=$?; tr "\r" "\n" <"$1/train.log" |
+        grep -v "s/s\]" | tail -n 6; exit $rc' \
+    _ "$OUT" --data_dir "$OUT/data" $TRAIN_SHAPE --compile --device "$DEVICE" --time_limit_min "$TRAIN_MIN" \
+    --val_every_min "$(awk "BEGIN { print $TRAIN_MIN / 4 }")" --checkpoint_path "$OUT/checkpoint.pt"
+part 20 "train.py run summary" python - "$OUT/metrics.jsonl" <<'EOF'
+import json, os, sys
+rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
+train = [r for r in rows if "tokens_per_s" in r and "train_loss" in r]
+s = rows[-1] if rows and rows[-1].get("summary") else None
+if s is None:  # the run died before its summary: say how far it got, then fail this part
+    print(f"no summary row: the run ended early; its last training row: {json.dumps(train[-1] if train else None)}")
+    sys.exit(1)
+steady = train[1:][len(train[1:]) // 2:]  # the first row carries compilation
+tok = sum(r["tokens_per_s"] for r in steady) / max(len(steady), 1)
+mfu = sum(r.get("mfu", 0.0) for r in steady) / max(len(steady), 1)
+print("| compile s | graphs (planned) | tokens/s (steady) | MFU (bf16 peak) | peak mem GiB | steps | train loss | val loss |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+print(f"| {s['compile_s']:.1f} | {s['compiled_graphs']} ({s['planned_graphs']}) | {tok:,.0f} | {mfu:.1%} | "
+      f"{s['peak_mem_gib']} | {s['steps']} | {train[-1]['train_loss']:.3f} | {s['val_loss']:.3f} |")
+plan = s["plan"]  # the plan's forecast next to what the device did: calibrates AUTO_EFFICIENCY["cuda"]
+step_ms = 1e3 * plan["micro_batch"] * plan["seq_len"] * s["grad_accum_steps"] * s["world_size"] / tok if tok else 0.0
 print("| plan tokens/step | micro x accum | forecast ms/step | measured ms/step (steady) | measured / forecast |")
 print("| --- | --- | --- | --- | --- |")
 print(f"| {plan['tokens_per_step']:,} | {plan['micro_batch']} x {s['grad_accum_steps']} | {1e3 * plan['step_s']:.1f} | "
       f"{step_ms:.1f} | {step_ms / (1e3 * plan['step_s']):.2f} |")
 EOF
+part 150 "per-block steps by micro-batch, train.py's fused head + loss: $SHAPES" \
+    python bench/compile_time.py --device "$DEVICE" --modes per_block --shapes "$SHAPES" --batch "$BATCH" \
+    --seq "$SEQ" --head fused --optimizer --steps 5 --threads "$THREADS" --timeout 70
+part 100 "cold compile: whole model vs per block, $COMPARE" \
+    python bench/compile_time.py --device "$DEVICE" --modes "$MODES" --shapes "$COMPARE" --batch "${BATCH%%,*}" --seq "$SEQ" \
+    --threads "$THREADS" --timeout 80
+echo "gpu_check: $SECONDS s; the tables are in $RESULTS"
 exit "$status"

@@ -21,6 +21,7 @@ SCRIPTS = [
     "bench/head_loss.py",
     "bench/compile_time.py",
     "bench/comm_bytes.py",
+    "bench/validation_cost.py",
 ]
 
 

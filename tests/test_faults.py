@@ -295,3 +295,31 @@ def test_a_frozen_rank_ends_the_job_after_the_collective_timeout(tmp_path, token
     assert waited < 60  # 6 s of timeout, then torchrun tears the job down; not the SLURM wall
     model, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     assert all(math.isfinite(v.float().sum()) for v in ckpt["model"].values())
+
+
+@pytest.mark.parametrize("code", ["ENOLCK", "ENOSYS", "EOPNOTSUPP"])
+def test_storage_that_refuses_locks_is_not_a_path_in_use(tmp_path, monkeypatch, code):
+    import errno
+
+    import launch
+
+    def refuse(handle, operation):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    said = []
+    monkeypatch.setattr(launch.fcntl, "flock", refuse)
+    handle = launch.lock_metrics(str(tmp_path / "metrics.jsonl"), said.append)
+    handle.close()
+    assert len(said) == 1 and "cannot be locked" in said[0]
+    monkeypatch.setattr(launch.fcntl, "flock", lambda h, op: (_ for _ in ()).throw(BlockingIOError(errno.EAGAIN, "")))
+    with pytest.raises(ValueError, match="in use by another running train.py"):
+        launch.lock_metrics(str(tmp_path / "metrics.jsonl"), said.append)
+
+
+def test_each_rank_finds_its_gpu_under_torchrun_and_under_one_gpu_per_task():
+    from launch import cuda_index
+
+    assert cuda_index(local_rank=5, visible=8) == 5  # torchrun: every rank sees the node's GPUs
+    assert cuda_index(local_rank=5, visible=1) == 0  # srun --gpus-per-task=1: the one it was given
+    with pytest.raises(ValueError, match="LOCAL_RANK 5 has no GPU: 4 are visible"):
+        cuda_index(local_rank=5, visible=4)

@@ -276,7 +276,7 @@ def test_softcap_hand_written_backward_matches_autograd():
 @pytest.fixture
 def chunks_of_24(monkeypatch):
     """24 rows a chunk at the padded vocabulary of 512: 2 x 32 tokens make chunks of 24, 24 and 16."""
-    monkeypatch.setattr(model_module, "LOSS_CHUNK_BYTES", 24 * 4 * 512)
+    monkeypatch.setitem(model_module.LOSS_CHUNK_BYTES, "cpu", 24 * 4 * 512)
 
 
 def loss_and_grads(model, idx, targets, autocast=False, **kwargs):
@@ -490,3 +490,17 @@ def test_param_counts(overrides):
     lookup = sum(p.numel() for n, p in model.named_parameters() if n.startswith(tables))
     assert model.num_params(non_embedding=True) == total - lookup < total
     # flops_per_token is checked against torch's FLOP counter in tests/test_plan.py
+
+
+def test_chunk_rows_are_tiles_of_128_that_divide_the_micro_batch_when_they_can():
+    event_cuda = model_module.LOSS_CHUNK_BYTES["cuda"]
+    # l16w1024, micro-batch 26 x 1024 tokens, 32K vocabulary: 8 equal chunks of 3,328 rows (512 MB caps at 4,096)
+    assert model_module.chunk_rows(26 * 1024, 32000, event_cuda) == 3328
+    assert model_module.chunk_rows(8 * 1024, 32000, model_module.LOSS_CHUNK_BYTES["cpu"]) == 512
+    # 37 x 128 rows: no tile multiple in the upper half of the cap divides it, so the last chunk is ragged
+    assert model_module.chunk_rows(37 * 128, 32000, event_cuda) == 4096
+    assert model_module.chunk_rows(1000, 32000, event_cuda) == 1000  # all rows fit in one chunk
+    model = get_model({"vocab_size": 32000, "n_layer": 16, "n_head": 2, "n_embd": 32})
+    assert model.compiled_graphs(26 * 1024, "cuda") == 3  # two kinds of block, one chunk shape
+    assert model.compiled_graphs(37 * 128, "cuda") == 4  # and a ragged last chunk
+    assert get_model({"vocab_size": 512, "n_layer": 2, "value_embeds": False}).compiled_graphs(64, "cpu") == 2

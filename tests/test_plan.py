@@ -157,14 +157,17 @@ def test_flops_per_token_matches_torchs_flop_counter():
 # ----------------------------------------------------------------------------- the clock
 
 
-def test_last_step_keeps_one_step_of_slack_and_the_step_cap():
-    assert P.last_step(step=10, elapsed=50.0, budget_s=60.0, step_s=1.0, reserve_s=0.0, max_steps=1000) == 18
-    assert P.last_step(step=10, elapsed=50.0, budget_s=60.0, step_s=1.0, reserve_s=0.0, max_steps=15) == 14
+def test_last_step_fills_the_budget_and_the_planned_last_step_always_starts_inside_it():
+    kw = dict(budget_s=60.0, step_s=1.0, reserve_s=0.0, max_steps=1000, planned_last=999)
+    assert P.last_step(step=10, elapsed=50.0, **kw) == 19  # steps 10..19 end by 60 s
+    assert P.last_step(step=10, elapsed=50.0, **{**kw, "max_steps": 15}) == 14
     # 10 s of the 40 left are kept for validation
-    assert P.last_step(step=10, elapsed=20.0, budget_s=60.0, step_s=1.0, reserve_s=10.0, max_steps=1000) == 38
-    # only one step fits: it runs, as the last; none fits: stop
-    assert P.last_step(step=10, elapsed=58.5, budget_s=60.0, step_s=1.0, reserve_s=0.0, max_steps=1000) == 10
-    assert P.last_step(step=10, elapsed=59.5, budget_s=60.0, step_s=1.0, reserve_s=0.0, max_steps=1000) is None
+    assert P.last_step(step=10, elapsed=20.0, **{**kw, "reserve_s": 10.0}) == 39
+    # no whole step fits, but the planned last step has not run: it starts inside the budget, at the floor
+    assert P.last_step(step=10, elapsed=59.5, **kw) == 10
+    # it has run (step 11 > planned last 10), or the budget is spent: stop
+    assert P.last_step(step=11, elapsed=59.5, **{**kw, "planned_last": 10}) is None
+    assert P.last_step(step=10, elapsed=60.0, **kw) is None
 
 
 def test_progress_follows_the_clock_or_the_step_cap_and_is_one_at_the_last_step():
@@ -205,29 +208,67 @@ def test_matmul_rate_predicts_the_time_of_a_matmul_workload():
     assert 0.25 < (time.perf_counter() - start) / predicted < 4.0  # a shared 2-core box: a factor of 4 either way
 
 
-def simulate(clock, step_s, val_s=0.0, stall=None):
-    """Drive a Clock like the loop does, with a fake clock: (steps, progress of the last step, end time)."""
-    step, elapsed, paused, done, last_val = 0, 0.0, 0.0, 0.0, 0.0
+def simulate(clock, step_s, batch_s=0.0, stall=None):
+    """Drive a Clock like the loop does, with a fake clock and validation batches of batch_s seconds:
+    (steps, progress of the last step, end time, seconds spent validating)."""
+    step, elapsed, paused, done, last_val, token_s = 0, 0.0, 0.0, 0.0, 0.0, 0.0
     while True:
         if step >= clock.sync_at or step > clock.last:
-            if clock.sync(step, elapsed, paused, val_s):
-                return step, done, elapsed
-            if clock.validation_due(elapsed, last_val):
-                elapsed, paused, last_val = elapsed + val_s, paused + val_s, elapsed
+            if clock.sync(step, elapsed, paused, token_s):
+                return step, done, elapsed, paused
+            if batches := clock.validation_batches(elapsed, last_val):
+                elapsed, paused, last_val = elapsed + batches * batch_s, paused + batches * batch_s, elapsed
+                token_s = batch_s * clock.val_batches / clock.val_tokens
         done = clock.progress(step, done)
         elapsed += step_s * clock.accum + (stall[1] if stall and step == stall[0] else 0.0)
         step += 1
 
 
 def test_clock_ends_at_the_floor_inside_the_budget_with_validation_and_a_stall():
-    for kwargs in [{}, {"val_s": 3.0}, {"stall": (300, 8.0)}, {"val_s": 1.0, "stall": (1000, 20.0)}]:
-        clock = P.Clock(60.0, 10**6, 1, 1.0, may_replan=False, val_every_s=5.0, val_until_s=36.0)
-        steps, done, end = simulate(clock, 0.02, **kwargs)
+    for kwargs in [{}, {"batch_s": 0.1}, {"stall": (300, 8.0)}, {"batch_s": 0.05, "stall": (1000, 20.0)}]:
+        clock = P.Clock(
+            60.0, 10**6, 1, 1.0, may_replan=False, val_every_s=5.0, val_until_s=36.0, val_batches=10, val_tokens=10
+        )
+        steps, done, end, paused = simulate(clock, 0.02, **kwargs)
         assert done == 1.0 and end <= 60.0 + 0.02, kwargs  # the last step ran at the floor, inside the budget
-        assert end > 60.0 - 3 * 0.02 - kwargs.get("val_s", 0.0), kwargs  # and the budget was used
+        assert end > 60.0 - 3 * 0.02, kwargs  # and the budget was used
+        assert paused <= P.VAL_SHARE * 60.0 + 1e-9, kwargs  # validation kept to its share
+
+
+def test_a_validation_that_would_break_the_budget_is_shrunk_or_skipped_before_it_runs():
+    # 1,000 batches of 10,000 tokens; a training token takes 2e-4 s, so a batch is forecast at 0.5 x 2e-4 x 10,000
+    # = 1 s, and takes that; a 60 s budget and 7 validations give each 10% x 60 / 7 = 0.86 s: none runs
+    clock = P.Clock(60.0, 10**6, 1, 1.0, may_replan=False, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock.val_batches, clock.val_tokens = 1000, 10**7
+    steps, done, end, paused = simulate(clock, 0.02, batch_s=1.0)
+    assert paused == 0.0 and done == 1.0 and end > 59.9 and any("skipped" in n for n in clock.notes)
+    # a forecast 10x too low: the first validation overruns its share, the rest are planned from the measurement
+    clock = P.Clock(60.0, 10**6, 1, 1.0, may_replan=False, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock.val_batches, clock.val_tokens = 1000, 10**6
+    steps, done, end, paused = simulate(clock, 0.02, batch_s=0.5)
+    assert done == 1.0 and end <= 60.02 and paused <= 2 * P.VAL_SHARE * 60.0
+    # before any validation is measured, its cost is forecast from the step time
+    clock = P.Clock(60.0, 10**6, 4, 1.0, may_replan=False, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock.val_batches, clock.val_tokens, clock.step_s = 1000, 100_000, 0.04  # 1e-4 s/train token: 5e-3 s a batch
+    assert clock.validation_batches(elapsed=5.0, last_val=0.0) == int(6.0 / 7 / (P.VAL_TOKEN_COST * 1e-4 * 100))
+    assert [n for n in clock.notes if "171 of 1000 batches" in n]
+    assert clock.validation_batches(elapsed=5.0, last_val=1.0) == 0  # not due yet
+    # the final validation scores all, unless that outlasts its share of the budget
+    assert clock.final_validation_batches() == 1000
+    clock.val_token_s = 1e-2  # 1 s a batch
+    assert clock.final_validation_batches() == int(P.FINAL_VAL_SHARE * 60.0)
 
 
 def test_clock_raises_accumulation_when_steps_would_run_out_before_the_budget():
     clock = P.Clock(60.0, 500, 1, 1.0, may_replan=True)
-    steps, done, end = simulate(clock, 0.02)  # 3000 steps would fit, only 500 are allowed
+    steps, done, end, _ = simulate(clock, 0.02)  # 3000 steps would fit, only 500 are allowed
     assert 6 <= clock.accum <= 9 and steps <= 500 and done == 1.0 and end > 0.9 * 60.0
+
+
+def test_a_tight_step_cap_uses_the_budget_from_the_first_measured_step():
+    # the organizers' kind of cap on a tiny budget: 8 steps, each a seventh of the budget or more
+    for step_s in (0.5, 1.0, 2.3, 3.9):
+        clock = P.Clock(30.0, 8, 1, 1.0, may_replan=True)
+        steps, done, end, _ = simulate(clock, step_s)
+        assert steps <= 8 and done == 1.0, step_s
+        assert 0.9 * 30.0 <= end <= 30.0 + step_s * clock.accum, (step_s, end, clock.accum)

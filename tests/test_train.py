@@ -551,6 +551,79 @@ def test_two_gloo_ranks_with_compile_and_bf16_stop_on_the_clock_and_load(tmp_pat
     assert ckpt["step"] == summary["steps"] and not any("_orig_mod" in k or "module." in k for k in ckpt["model"])
 
 
+def event_depth_args(token_dir, *extra):
+    """The event's depth (16 layers) at a tiny width, compiled, accumulating 2 micro-batches a step, with periodic
+    validation (a sync every step) and validation batches of 4 windows, the last one ragged (30 windows)."""
+    return [
+        *on_tokens(token_dir),
+        "--compile",
+        "--n_layer",
+        "16",
+        "--n_head",
+        "2",
+        "--n_embd",
+        "32",
+        "--seq_len",
+        "32",
+        "--batch_size",
+        "4",
+        "--micro_batch",
+        "4",
+        "--batch_tokens",
+        "256",
+        "--val_tokens",
+        "4096",
+        "--val_eval_tokens",
+        str(30 * 33),
+        "--val_every_min",
+        "0.02",
+        "--log_every_s",
+        "0",
+        "--save_every_min",
+        "0",
+        *extra,
+    ]
+
+
+def test_event_depth_compiles_the_planned_graphs_once_and_validation_adds_none(tmp_path, token_dir):
+    # any graph asked for after step 0 (a recompile: grad mode, a ragged or other-sized batch, a new guard) raises
+    script = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); import train; train.RECOMPILE_STANCE = 'fail_on_recompile'; "
+        "train.main(sys.argv[1:])"
+    )
+    args = event_depth_args(token_dir, "--max_steps", "40", *LONG_BUDGET)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    rows, val_rows, summary = read_metrics(tmp_path / "metrics.jsonl")
+    # two kinds of block (with and without value embeddings) and one chunk shape of the head's loss math
+    assert summary["planned_graphs"] == 3 and summary["compiled_graphs"] == summary["planned_graphs"]
+    assert summary["grad_accum_steps"] == 2 and summary["steps"] == 40 and summary["compile_fallback"] is None
+    assert len(val_rows) >= 2 and val_rows[-1]["val_loss"] == summary["val_loss"]  # periodic ones, then the final
+    assert summary["val_batches"] == 8 and math.isfinite(summary["val_loss"])  # 7 of 4 windows and one of 2
+
+
+def test_a_compiler_that_fails_at_the_first_step_is_said_once_and_the_run_goes_on_eagerly(tmp_path, token_dir):
+    env = {**child_env(), "CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    args = [*event_depth_args(token_dir, "--max_steps", "4", *LONG_BUDGET)]
+    proc = subprocess.run(command(args, 1), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    said = [line for line in proc.stdout.splitlines() if "compiling failed at the first step" in line]
+    assert len(said) == 1 and "C++ compiler" in said[0] and "training goes on eagerly" in said[0]
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert "C++ compiler" in summary["compile_fallback"] and summary["compiled_graphs"] == 0
+    assert summary["steps"] == 4 and summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0
+    assert math.isfinite(summary["val_loss"]) and "Traceback" not in proc.stderr
+    _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ckpt["step"] == 4
+
+
 # ----------------------------------------------------------------------------- 7. the schedule
 
 
