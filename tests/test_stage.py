@@ -1,0 +1,80 @@
+"""Tests for stage.py: a staged folder holds exactly what this node's ranks read, and the loader never reads past it."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import stage
+from data import BatchLoader, check_token_files, find_token_files, load_token_data
+from test_data import epoch0_windows, full_windows
+from train import parse_args
+
+torch.set_num_threads(1)
+SEQ, VAL = 15, 1000  # 16-token windows, 1024-token blocks
+FLAGS = ["--seq_len", str(SEQ), "--val_tokens", str(VAL)]
+
+
+@pytest.fixture
+def staged(tmp_path, monkeypatch):
+    """Files of no token 0 (what an unstaged range reads as), far larger than the check's sample, staged for ranks
+    2-3 of 4, 3 blocks each: node 'n2' sorts second."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    for i in range(4):
+        (np.arange(i, i + 2_000_000) % 65535 + 1).astype("<u2").tofile(src / f"chunk_{i + 1:04d}.bin")
+    monkeypatch.setattr(stage.socket, "getfqdn", lambda: "n2")
+    tokens = 3 * data.BLOCK_WINDOWS * SEQ * 4 / 1.5
+    stage.stage(src, dst, tokens, 4, 1.5, ["n2", "n1"], 2, parse_args(FLAGS)[0])
+    return src, dst
+
+
+def loader(folder, rank, val_tokens=VAL):
+    train = load_token_data(folder, 65536, SEQ, val_tokens).train
+    return BatchLoader(train, SEQ, data.BLOCK_WINDOWS // 2, rank, 4, vocab_size=65536)
+
+
+def test_staged_folder_holds_the_ranks_blocks_validation_and_check_sample(staged):
+    src, dst = staged
+    manifest = json.loads((dst / data.STAGED_MANIFEST).read_text())
+    assert manifest["ranks"] == [2, 3] and manifest["blocks_per_rank"] == 3
+    sizes = [p.stat().st_size for p in find_token_files(src)]
+    assert [p.stat().st_size for p in find_token_files(dst)] == sizes
+    assert check_token_files(find_token_files(dst), 65536, SEQ) == check_token_files(find_token_files(src), 65536, SEQ)
+    full, part = load_token_data(src, 65536, SEQ, VAL), load_token_data(dst, 65536, SEQ, VAL)
+    assert np.array_equal(full.val, part.val)
+    staged_tokens = sum(np.count_nonzero(np.fromfile(p, dtype="<u2")) for p in find_token_files(dst))
+    assert staged_tokens < sum(sizes) // 2 // 2  # well under the whole folder
+
+
+def test_loader_reads_its_usual_blocks_then_repeats_them_never_a_hole(staged, capfd):
+    src, dst = staged
+    for rank in (2, 3):
+        with loader(dst, rank) as part, loader(src, rank) as full:
+            _, start, end = data.block_layout([len(a) for a in part.arrays], SEQ)
+            blocks = data.staged_blocks(len(start), rank, 4, 0, 3)
+            n_staged = int(sum((end[blocks] - start[blocks]) // (SEQ + 1)))  # windows in the 3 staged blocks
+            usual = np.concatenate([full_windows(*next(full)) for _ in range(-(-n_staged // full.batch_size))])
+            usual = usual[:n_staged]  # what the rank reads from the full folder first
+            first = epoch0_windows(part)
+            assert np.array_equal(first, usual[: len(first)]) and len(first) > n_staged - part.batch_size
+            staged_rows = {row.tobytes() for row in usual}
+            for _ in range(4 * n_staged // part.batch_size):  # four more passes over the staged blocks
+                assert all(row.all() and row.tobytes() in staged_rows for row in full_windows(*next(part)))
+        assert capfd.readouterr().err.count(f"rank {rank} has read all 3 blocks staged for it") == 1
+
+
+def test_a_manifest_for_other_ranks_or_another_run_is_an_error(staged):
+    _, dst = staged
+    with pytest.raises(ValueError, match=r"holds the blocks of ranks \[2, 3\], but torchrun made this process rank 0"):
+        loader(dst, 0)
+    with pytest.raises(ValueError, match="was staged for another run: its lengths differ"):
+        loader(dst, 2, val_tokens=2 * VAL)
+
+
+def test_a_node_not_in_the_list_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(stage.socket, "getfqdn", lambda: "n3")
+    with pytest.raises(ValueError, match="this node is 'n3'"):
+        stage.stage(tmp_path, tmp_path / "dst", 1000, 4, 1.5, ["n1", "n2"], 2, parse_args(FLAGS)[0])
