@@ -3,6 +3,9 @@
     python bundle.py OUT_DIR            # write OUT_DIR/{model.py, train.py, requirements.txt}
     python bundle.py OUT_DIR --check    # exit 1 if OUT_DIR is not what bundling would write now
 
+OUT_DIR is a separate folder, new or not: the repo folder, a link to it, a file or "" is refused (exit 2) before
+anything is written, as is any folder whose files would overwrite a source bundle.py reads.
+
 model.py is copied byte for byte (the organizers import it alone). The modules of PASTED go into train.py above
 its own code, each after the ones it imports: its docstring as a comment block (muon.py's distributed contract is
 what a reader of the submission needs), its imports merged into one block at the top, and of its code only what a
@@ -23,6 +26,14 @@ REQUIREMENTS = ["torch", "numpy", "tqdm"]
 
 class BundleError(ValueError):
     pass
+
+
+def fail(message):
+    """Exit status 2 with one sentence on stderr; the SystemExit carries the sentence too, for callers of main."""
+    print(f"error: {message}", file=sys.stderr)
+    error = SystemExit(f"error: {message}")
+    error.code = 2
+    raise error
 
 
 def is_docstring(node):
@@ -53,6 +64,8 @@ def bundle_files(src_dir, pasted=PASTED):
     """{file name: text} of the submission built from the sources in src_dir."""
     src_dir = pathlib.Path(src_dir)
     files = {name: src_dir / f"{name}.py" for name in [*pasted, "train"]}
+    if missing := [path.name for path in [*files.values(), src_dir / "model.py"] if not path.is_file()]:
+        raise BundleError(f"--src {src_dir} lacks {', '.join(missing)}; it must be the repo folder.")
     trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in files.items()}
     imports, code, owner = [], {}, {}  # code: module -> its statements; owner: top-level name -> (module, node)
     for name, tree in trees.items():
@@ -105,26 +118,49 @@ def bundle_files(src_dir, pasted=PASTED):
     }
 
 
+def check_out_dir(out_dir, src_dir, names):
+    """Refuse, before anything is written, an OUT_DIR that is not a separate folder: one whose files would overwrite
+    a source being read (the repo itself, a link to it, a link to one of its files), a file, or nothing at all."""
+    if not out_dir:
+        raise BundleError("OUT_DIR is empty; give the folder to write the submission into.")
+    out = pathlib.Path(out_dir)
+    there = next(p for p in [out, *out.absolute().parents] if p.exists())  # the first part that exists
+    if not there.is_dir():
+        raise BundleError(f"OUT_DIR {out} is {'a file' if there == out else f'under the file {there}'}, not a folder.")
+    sources = {(pathlib.Path(src_dir) / f"{name}.py").resolve() for name in [*PASTED, "train", SHIPPED]}
+    for name in names:
+        target = out / name
+        if target.resolve() in sources:  # resolve() follows links, so a link to the repo is the repo
+            raise BundleError(
+                f"OUT_DIR {out} would overwrite {target.resolve()}, a source bundle.py reads; give a separate folder."
+            )
+        if target.exists() and not target.is_file():
+            raise BundleError(f"OUT_DIR {out} holds {name} as a folder, so the submission's {name} cannot be written.")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--check", action="store_true", help="compare OUT_DIR with a fresh bundle, write nothing")
     parser.add_argument("--src", default=pathlib.Path(__file__).resolve().parent, help="the repo folder")
+    parser.error = fail  # a flag argparse cannot read is one sentence too (--help shows the usage)
     args = parser.parse_args(argv)
+    out = pathlib.Path(args.out_dir)
     try:
         files = bundle_files(args.src)
-    except (BundleError, SyntaxError) as e:
-        sys.exit(f"error: {e}")
-    out = pathlib.Path(args.out_dir)
+        check_out_dir(args.out_dir, args.src, files)  # before anything is written
+        if not args.check:
+            out.mkdir(parents=True, exist_ok=True)
+            for name, text in files.items():
+                (out / name).write_text(text)
+    except (BundleError, SyntaxError, OSError) as e:  # one sentence, exit 2 as eval.py
+        fail(e)
     if args.check:
         stale = [name for name, text in files.items() if not (out / name).is_file() or (out / name).read_text() != text]
         if stale:
             sys.exit(f"{out} is out of date: {', '.join(stale)} differ from a fresh bundle; run python bundle.py {out}")
         print(f"{out} is up to date")
         return
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (out / name).write_text(text)
     print(f"wrote {', '.join(files)} to {out}")
 
 

@@ -1,14 +1,16 @@
 """Token data for the speedrun trainer: folders of chunk_*.bin files, raw little-endian uint16 ids, no header.
 check_token_files catches bad data in seconds (it samples; `check --full` scans every token, off the clock);
 load_token_data memmaps the files and holds out a validation range; BatchLoader builds rank-disjoint, block-shuffled
-batches in a background thread and checks every token it reads; synthetic_tokens is an embedded Markov source whose
-entropy rate (the best possible loss) is known exactly.
+batches in a background thread and checks every token it reads (from a folder stage.py wrote, only the blocks staged
+for its rank); synthetic_tokens is an embedded Markov source whose entropy rate (the best possible loss) is known
+exactly.
 CLI: python data.py check DIR [--full] | synth OUT_DIR --tokens N | bench DIR
 """
 
 import argparse
 import dataclasses
 import itertools
+import json
 import mmap
 import pathlib
 import queue
@@ -28,6 +30,15 @@ SYNTH_STATES = 1024  # few enough that a tiny model on 2 CPU cores nears the flo
 # ~1.5 GFLOP/token model trains ~600K tokens/s, so a 1 s storage stall on one rank is ~600K tokens, and one
 # stalled rank holds all 32 at the next all-reduce. 2M tokens (32 MiB of pinned int64 x and y) ride out ~3.5 s.
 PREFETCH_TOKENS = 1 << 21
+SAMPLE_TOKENS = 1 << 18  # per file, read by the start-up check
+# Windows per loader block: 131 KB per read at seq_len 1024, ~9 reads/s per rank at the event's ~600K tokens/s, a
+# load NFS serves easily; the prefetch, not the read size, is what rides out a slow read.
+BLOCK_WINDOWS = 64
+STAGED_MANIFEST = "staged.json"  # written by stage.py beside the token files it staged
+
+
+class DataChanged(ValueError):
+    """The training files changed under a running job until none is left to read."""
 
 
 def find_token_files(data_dir):
@@ -47,17 +58,28 @@ def find_token_files(data_dir):
     return files
 
 
-def _sample_file(path, n_tokens, sample_tokens, rng, n_slices=8):
-    """A few slices of a token file: its head, its tail (where truncated writes show) and random spots."""
-    if n_tokens <= sample_tokens:
-        return np.fromfile(path, dtype="<u2")
-    length = max(sample_tokens // n_slices, 1)
-    offsets = [0, n_tokens - length, *rng.integers(0, n_tokens - length, n_slices - 2).tolist()]
+def sample_slices(sizes, sample_tokens=SAMPLE_TOKENS, n_slices=8):
+    """Per file of sizes[i] tokens, the (start, end) token ranges the sampled check reads: its head, its tail (where
+    truncated writes show) and random spots, the same on every run; the whole file when it is small. stage.py copies
+    them, so a staged folder passes the same check as the full one."""
+    rng = np.random.default_rng(0)
+    ranges = []
+    for n_tokens in sizes:
+        if n_tokens <= sample_tokens:
+            ranges.append([(0, n_tokens)])
+            continue
+        length = max(sample_tokens // n_slices, 1)
+        offsets = [0, n_tokens - length, *rng.integers(0, n_tokens - length, n_slices - 2).tolist()]
+        ranges.append([(offset, offset + length) for offset in offsets])
+    return ranges
+
+
+def _sample_file(path, ranges):
     with open(path, "rb") as file:
         slices = []
-        for offset in offsets:
-            file.seek(2 * offset)
-            slices.append(np.frombuffer(file.read(2 * length), dtype="<u2"))
+        for start, end in ranges:
+            file.seek(2 * start)
+            slices.append(np.frombuffer(file.read(2 * (end - start)), dtype="<u2"))
     return np.concatenate(slices)
 
 
@@ -100,7 +122,7 @@ def _summarise(n_files, n_tokens, file_stats):
     }
 
 
-def check_token_files(files, vocab_size, seq_len, sample_tokens=1 << 18, full=False):
+def check_token_files(files, vocab_size, seq_len, sample_tokens=SAMPLE_TOKENS, full=False):
     """Validate token files from their sizes and ~sample_tokens sampled tokens each (every token if full); return a
     summary. Sparse bad ids can pass the sample: BatchLoader checks every token it reads."""
     sizes = []
@@ -113,10 +135,9 @@ def check_token_files(files, vocab_size, seq_len, sample_tokens=1 << 18, full=Fa
                 f"{path} holds {n_bytes // 2} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}."
             )
         sizes.append(n_bytes // 2)
-    rng = np.random.default_rng(0)  # the same sample on every run
     file_stats, problems = [], []
-    for path, n_tokens in zip(files, sizes):
-        chunks = _file_chunks(path) if full else [_sample_file(path, n_tokens, sample_tokens, rng)]
+    for path, ranges in zip(files, sample_slices(sizes, sample_tokens)):
+        chunks = _file_chunks(path) if full else [_sample_file(path, ranges)]
         stats = _id_stats(chunks, vocab_size)
         if stats["bad"] and full:
             top, at = stats["first_bad"]
@@ -220,6 +241,33 @@ def _doc_window_starts(bos, window, limit):
     return bos[node[node < len(bos)]]
 
 
+def block_layout(lengths, seq_len, block_windows=BLOCK_WINDOWS):
+    """(array index, start, end) of every loader block over arrays of these lengths: block_windows windows of
+    seq_len + 1 tokens (fewer at an array's end), in the order the deal shuffles."""
+    window, block = seq_len + 1, block_windows * (seq_len + 1)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = [np.arange(0, max(n - window + 1, 0), block, dtype=np.int64) for n in lengths]
+    index = np.repeat(np.arange(len(lengths)), [len(s) for s in starts])
+    start = np.concatenate(starts)
+    return index, start, np.minimum(start + block, lengths[index])
+
+
+def deal_blocks(n_blocks, rank, world_size, seed, epoch):
+    """The blocks rank reads in epoch: all n_blocks shuffled with a generator seeded by (seed, epoch) and dealt
+    round-robin, the remainder dropped."""
+    order = np.random.default_rng([seed, epoch]).permutation(n_blocks)
+    per_rank = n_blocks // world_size
+    return order[: per_rank * world_size].reshape(per_rank, world_size)[:, rank]
+
+
+def staged_blocks(n_blocks, rank, world_size, seed, count):
+    """The first count blocks dealt to rank, over as many epochs as that takes: what stage.py copies for it."""
+    dealt, epochs = [], itertools.count()
+    while sum(map(len, dealt)) < count:
+        dealt.append(deal_blocks(n_blocks, rank, world_size, seed, next(epochs)))
+    return np.concatenate(dealt)[:count]
+
+
 class BatchLoader:
     """Endless (x, y) int64 batches of shape (batch_size, seq_len) for one rank, y = x shifted by one.
 
@@ -233,6 +281,10 @@ class BatchLoader:
     >= vocab_size is dropped and counted in .bad_windows (by the reading thread, so it runs ahead of the batches
     served by up to the prefetch), and the first bad id is named once on stderr. The start-up check samples, so
     sparse bad ids cost a few windows here instead of an IndexError mid-run.
+    Staged data (file maps of a folder holding STAGED_MANIFEST, written by stage.py): the rest of each file was never
+    copied and reads as zeros, so the rank reads only the blocks staged for it: epoch 0 is exactly the start of its
+    usual deal; later epochs repeat those blocks reshuffled, with one warning. A manifest made for another run
+    (shape, world, seed, ranks, file lengths) is a ValueError.
     A daemon thread keeps .depth batches ready: prefetch_tokens worth (default: PREFETCH_TOKENS on CUDA, where a
     storage stall on one rank holds every rank; 2 batches elsewhere), in a fixed ring of host buffers, pinned on
     CUDA and copied with non_blocking=True; each batch served is the caller's own tensor.
@@ -251,10 +303,8 @@ class BatchLoader:
         bos_id=None,
         vocab_size=None,
         prefetch_tokens=None,
-        block_windows=64,
+        block_windows=BLOCK_WINDOWS,
     ):
-        # block_windows 64 = 131 KB per read at seq_len 1024: ~9 reads/s per rank at the event's ~600K tokens/s,
-        # a load NFS serves easily; the prefetch, not the read size, is what rides out a slow read
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}.")
         if doc_aligned and bos_id is None:
@@ -262,22 +312,19 @@ class BatchLoader:
         self.arrays, self.seq_len, self.batch_size = arrays, seq_len, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.doc_aligned, self.bos_id, self.vocab_size, self.epoch = doc_aligned, bos_id, vocab_size, 0
-        self.bad_windows, self._warned = 0, False
+        self.bad_windows, self._warned, self._damaged = 0, False, set()
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
         if self._pin and self.device.index is None:  # name the GPU: the loader thread must bind to it too
             self.device = torch.device("cuda", torch.cuda.current_device())
-        window, block = seq_len + 1, block_windows * (seq_len + 1)
-        lengths = np.array([len(array) for array in arrays], dtype=np.int64)
-        starts = [np.arange(0, max(n - window + 1, 0), block, dtype=np.int64) for n in lengths]
-        self._block_array = np.repeat(np.arange(len(arrays)), [len(s) for s in starts])
-        self._block_start = np.concatenate(starts)
-        self._block_end = np.minimum(self._block_start + block, lengths[self._block_array])
+        lengths = [len(array) for array in arrays]
+        self._block_array, self._block_start, self._block_end = block_layout(lengths, seq_len, block_windows)
         if len(self._block_start) < world_size:
             raise ValueError(
-                f"the training data holds {len(self._block_start)} blocks of up to {block} tokens, "
-                f"fewer than the {world_size} ranks."
+                f"the training data holds {len(self._block_start)} blocks of up to {block_windows * (seq_len + 1)} "
+                f"tokens, fewer than the {world_size} ranks."
             )
+        self._staged = self._staged_blocks(lengths, block_windows)
         if prefetch_tokens is None:
             prefetch_tokens = PREFETCH_TOKENS if self._pin else 0
         self.depth = max(2, -(-prefetch_tokens // (batch_size * seq_len)))
@@ -294,10 +341,49 @@ class BatchLoader:
         self._thread = threading.Thread(target=self._produce, name=f"batch-loader-{rank}", daemon=True)
         self._thread.start()
 
+    def _staged_blocks(self, lengths, block_windows):
+        """This rank's staged blocks when the arrays map files of a staged folder, else None."""
+        if not self.arrays or not _is_file_map(self.arrays[0]):
+            return None
+        path = pathlib.Path(self.arrays[0].filename).parent / STAGED_MANIFEST
+        if not path.is_file():
+            return None
+        staged = json.loads(path.read_text())
+        run = {
+            "seq_len": self.seq_len,
+            "block_windows": block_windows,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "lengths": lengths,
+        }
+        if differ := [key for key, value in run.items() if staged[key] != value]:
+            raise ValueError(
+                f"{path} was staged for another run: its {', '.join(differ)} differ from this run's; stage again "
+                f"with this run's flags and world size (--val_tokens sets the last file's length), or read the full "
+                f"data folder."
+            )
+        if self.rank not in staged["ranks"]:
+            raise ValueError(
+                f"{path} holds the blocks of ranks {staged['ranks']}, but torchrun made this process rank "
+                f"{self.rank} (stage.py orders the nodes by name, as torchrun's c10d rendezvous does); read the "
+                f"full data folder."
+            )
+        n_blocks = len(self._block_start)
+        return staged_blocks(n_blocks, self.rank, self.world_size, self.seed, staged["blocks_per_rank"])
+
     def _epoch_blocks(self, epoch):
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self._block_start))
-        per_rank = len(order) // self.world_size
-        return order[: per_rank * self.world_size].reshape(per_rank, self.world_size)[:, self.rank]
+        if self._staged is None:
+            return deal_blocks(len(self._block_start), self.rank, self.world_size, self.seed, epoch)
+        if epoch == 0:
+            return self._staged
+        if epoch == 1:  # once per loader
+            print(
+                f"warning: rank {self.rank} has read all {len(self._staged)} blocks staged for it (the run outgrew "
+                f"the staging budget); it reads them again, reshuffled (said once).",
+                file=sys.stderr,
+                flush=True,
+            )
+        return np.random.default_rng([self.seed, epoch]).permutation(self._staged)
 
     def _read(self, index, start, end):
         array, file = self.arrays[index], self._files[index]
@@ -351,7 +437,13 @@ class BatchLoader:
         for epoch in itertools.count():
             found = False
             for block in self._epoch_blocks(epoch):
-                windows = self._block_windows(block)
+                if self._block_array[block] in self._damaged:
+                    continue
+                try:
+                    windows = self._block_windows(block)
+                except (OSError, ValueError) as error:  # a file truncated or made unreadable under the run
+                    self._skip_damaged(self._block_array[block], error)
+                    continue
                 found = found or len(windows) > 0
                 while len(windows):
                     if rows == 0:
@@ -378,6 +470,20 @@ class BatchLoader:
                     f"no window of seq_len + 1 = {self.seq_len + 1} tokens starting at BOS id "
                     f"{self.bos_id} fits in the data; documents are too sparse for --doc_aligned."
                 )
+
+    def _skip_damaged(self, index, error):
+        """Stop reading a file that changed under the run, said once per file; every rank skips it when it meets it,
+        so no collective is needed. With no file left the loader fails, and the run stops with what it trained."""
+        self._damaged.add(index)
+        array = self.arrays[index]
+        name = array.filename if _is_file_map(array) else f"training array {index}"
+        print(
+            f"warning: rank {self.rank}: {name} changed under the run ({error}); it is skipped from here on.",
+            file=sys.stderr,
+            flush=True,
+        )
+        if len(self._damaged) == len(self.arrays):
+            raise DataChanged(f"every training file changed under the run; rank {self.rank} has nothing left to read.")
 
     def _produce(self):
         if self._pin:  # else this thread's CUDA calls (event waits) would open a CUDA context on cuda:0

@@ -26,6 +26,7 @@ import math
 import pathlib
 import re
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -34,15 +35,53 @@ import torch.nn.functional as F
 from model import get_model
 
 
+def user_file(path, what):
+    """path, if it names a file; else one sentence naming the flag (what) and the path."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder, not a file.")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist.")
+    return path
+
+
+def user_device(name):
+    """The torch.device of --device (default: cuda if present), checked by putting a tensor on it, so that a
+    device this machine lacks is one sentence here rather than a traceback from the first .to()."""
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # an unknown type (tpu), a malformed index (cuda:x)
+        raise ValueError(f"--device {name} is not a device name such as cpu, cuda or cuda:1.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} was given but no CUDA device is visible.")
+    if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):
+        raise ValueError(f"--device {name} was given but only cuda:0 to cuda:{count - 1} are visible.")
+    try:
+        torch.zeros(1, device=device).tolist()  # a build without the backend, or meta, which holds no data
+    except Exception:
+        raise ValueError(f"--device {name} is not a device this machine can run the model on.") from None
+    return device
+
+
+def fail(message):
+    """Exit status 2 with one sentence on stderr; the SystemExit carries the sentence too, for callers of main."""
+    print(f"error: {message}", file=sys.stderr)
+    error = SystemExit(f"error: {message}")
+    error.code = 2
+    raise error
+
+
 def load_checkpoint(path):
     """The organizers' three lines, verbatim; each way a checkpoint file can be bad becomes one ValueError."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist.")
+    path = user_file(path, "checkpoint")
     if path.stat().st_size == 0:
         raise ValueError(f"checkpoint {path} is empty (0 bytes).")
     try:
-        ckpt = torch.load(path, weights_only=True)
+        with warnings.catch_warnings():  # a damaged file can make the unpickler warn before it fails
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, weights_only=True)
     except Exception as e:  # RuntimeError, EOFError, UnpicklingError, ...: whatever the damage gives
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         if refused:  # a readable file holding an object the organizers' weights_only load refuses
@@ -75,8 +114,10 @@ def load_checkpoint(path):
 def read_tokens(path, max_tokens, tail=False):
     """The first (or last) max_tokens tokens of a uint16 token file, as int64."""
     n_bytes = path.stat().st_size
+    if n_bytes == 0:
+        raise ValueError(f"--data {path} is empty (0 bytes).")
     if n_bytes % 2:
-        raise ValueError(f"{path} has an odd size ({n_bytes} bytes), so it is not a file of uint16 tokens.")
+        raise ValueError(f"--data {path} has an odd size ({n_bytes} bytes), so it is not a file of uint16 tokens.")
     count = min(max_tokens, n_bytes // 2)
     offset = n_bytes - 2 * count if tail else 0
     tokens = np.fromfile(path, dtype="<u2", count=count, offset=offset).astype(np.int64)
@@ -99,13 +140,15 @@ def eval_tokens(data, max_tokens):
     return read_tokens(chunks[-1], max_tokens, tail=True)
 
 
-def make_windows(tokens, seq_len, vocab_size):
+def make_windows(tokens, where, seq_len, vocab_size):
     """(n, seq_len + 1) disjoint windows from the start of tokens."""
     window = seq_len + 1
     if len(tokens) < window:
-        raise ValueError(f"--data gives {len(tokens)} tokens, fewer than one window of seq_len + 1 = {window}.")
+        raise ValueError(
+            f"--data gives {len(tokens)} tokens, fewer than one window of seq_len + 1 = {window} (the {where})."
+        )
     if (top := int(tokens.max())) >= vocab_size:
-        raise ValueError(f"--data contains token id {top} >= the model's vocab_size {vocab_size}.")
+        raise ValueError(f"--data contains token id {top} >= the model's vocab_size {vocab_size} (in the {where}).")
     return tokens[: len(tokens) // window * window].view(-1, window)
 
 
@@ -126,25 +169,37 @@ def mean_loss(model, windows, batch_size, device):
 
 def load_hellaswag(path):
     """[(context, endings, label)] from a HellaSwag .jsonl file."""
-    if not pathlib.Path(path).is_file():
-        raise FileNotFoundError(f"--hellaswag {path} does not exist.")
+    path = user_file(path, "--hellaswag")
+    try:
+        lines = path.read_text().split("\n")
+    except UnicodeDecodeError:
+        raise ValueError(f"--hellaswag {path} is not a text file of JSON lines.") from None
     items = []
-    with open(path) as file:
-        for number, line in enumerate(file, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                context = row["ctx"] if "ctx" in row else f"{row['ctx_a']} {row['ctx_b']}".strip()
-                endings, label = [str(e) for e in row["endings"]], int(row["label"])
-            except (ValueError, KeyError, TypeError):
-                context, endings, label = "", [], -1
-            if not context or len(endings) < 2 or not 0 <= label < len(endings):
-                raise ValueError(
-                    f"--hellaswag {path} line {number} is not an example with a ctx (or ctx_a and "
-                    f"ctx_b), 2+ endings and a label indexing them."
-                )
-            items.append((context, endings, label))
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            context = row["ctx"] if "ctx" in row else f"{row['ctx_a']} {row['ctx_b']}".strip()
+            endings, label = row["endings"], row["label"]
+            label = int(label) if isinstance(label, str) and label.isdigit() else label  # some dumps write "3"
+            example = (
+                isinstance(context, str)
+                and context
+                and isinstance(endings, list)
+                and len(endings) >= 2
+                and all(isinstance(e, str) and e.strip() for e in endings)
+                and type(label) is int  # not a bool, not 1.7
+                and 0 <= label < len(endings)
+            )
+        except (ValueError, KeyError, TypeError):  # not JSON, not an object, a key missing
+            example = False
+        if not example:
+            raise ValueError(
+                f"--hellaswag {path} line {number} is not an example with a ctx (or ctx_a and ctx_b), "
+                f"2+ non-empty endings and an integer label indexing them."
+            )
+        items.append((context, endings, label))
     if not items:
         raise ValueError(f"--hellaswag {path} holds no examples.")
     return items
@@ -156,9 +211,11 @@ def load_tokenizer(path, vocab_size):
         import sentencepiece
     except ImportError:
         raise ValueError("--tokenizer needs the sentencepiece package: pip install sentencepiece") from None
-    if not pathlib.Path(path).is_file():
-        raise FileNotFoundError(f"--tokenizer {path} does not exist.")
-    tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    path = user_file(path, "--tokenizer")
+    try:
+        tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError):  # sentencepiece's parse errors
+        raise ValueError(f"--tokenizer {path} is not a SentencePiece .model file.") from None
     if tokenizer.get_piece_size() > vocab_size:
         raise ValueError(
             f"--tokenizer {path} has {tokenizer.get_piece_size()} pieces, more than the model's "
@@ -192,8 +249,11 @@ def hellaswag(model, items, tokenizer, device, max_len):
     """acc (highest total log-prob) and acc_norm (highest mean log-prob per token) over the items."""
     bos = [tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else []  # training documents start with BOS
     correct = correct_norm = 0
-    for context, endings, label in items:
-        scores = ending_logprobs(model, bos + tokenizer.encode(context), tokenizer.encode(endings), device, max_len)
+    for number, (context, endings, label) in enumerate(items, 1):
+        try:
+            scores = ending_logprobs(model, bos + tokenizer.encode(context), tokenizer.encode(endings), device, max_len)
+        except ValueError as e:  # an ending longer than the window
+            raise ValueError(f"--hellaswag example {number}: {e}") from None
         correct += max(range(len(scores)), key=lambda i: scores[i][0]) == label
         correct_norm += max(range(len(scores)), key=lambda i: scores[i][0] / scores[i][1]) == label
     return {
@@ -209,17 +269,22 @@ def hellaswag(model, items, tokenizer, device, max_len):
 def evaluate(args):
     if args.hellaswag and not args.tokenizer:
         raise ValueError("--hellaswag needs --tokenizer TOKENIZER.model to turn its text into token ids.")
+    for flag in ("seq_len", "batch_size", "max_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be positive, got {getattr(args, flag)}.")
     model, ckpt = load_checkpoint(args.checkpoint)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device} was given but no CUDA device is visible.")
+    device = user_device(args.device)
     model.to(device).eval()
     vocab_size = model.config.vocab_size
     seq_len = args.seq_len if args.seq_len is not None else ckpt["config"].get("seq_len", model.config.seq_len)
-    if seq_len < 1 or args.batch_size < 1 or args.max_tokens < 1:
-        raise ValueError("--seq_len, --batch_size and --max_tokens must be positive.")
+    if model.config.pos == "learned" and seq_len > model.config.seq_len:
+        raise ValueError(
+            f"--seq_len {seq_len} is longer than the checkpoint's learned position table ({model.config.seq_len})."
+        )
     tokens, where = eval_tokens(args.data, args.max_tokens)
-    windows = make_windows(tokens, seq_len, vocab_size)
+    windows = make_windows(tokens, where, seq_len, vocab_size)
+    if args.hellaswag:  # read before the loss is computed, so a bad file costs no time
+        tokenizer, items = load_tokenizer(args.tokenizer, vocab_size), load_hellaswag(args.hellaswag)
     loss = mean_loss(model, windows, args.batch_size, device)
     result = {
         "checkpoint": str(args.checkpoint),
@@ -236,8 +301,7 @@ def evaluate(args):
     print(f"data: {where} -> {len(windows):,} windows of {seq_len} + 1 ({result['tokens']:,} predicted tokens)")
     print(f"val loss {loss:.4f} nats/token = {result['bits_per_token']:.4f} bits/token")
     if args.hellaswag:
-        tokenizer = load_tokenizer(args.tokenizer, vocab_size)
-        result.update(hellaswag(model, load_hellaswag(args.hellaswag), tokenizer, device, seq_len))
+        result.update(hellaswag(model, items, tokenizer, device, seq_len))
         print(
             f"hellaswag: acc {result['hellaswag_acc']:.4f}, acc_norm {result['hellaswag_acc_norm']:.4f} "
             f"over {result['hellaswag_examples']:,} examples"
@@ -256,12 +320,12 @@ def main(argv=None):
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...; default: cuda if present")
     parser.add_argument("--hellaswag", default=None, help="a HellaSwag .jsonl file")
     parser.add_argument("--tokenizer", default=None, help="the SentencePiece .model file of the training data")
+    parser.error = fail  # a flag argparse cannot read is one sentence too (--help shows the usage)
     args = parser.parse_args(argv)
     try:
         return evaluate(args)
-    except (ValueError, FileNotFoundError) as e:  # user errors: one sentence, no traceback, exit 2 as train.py
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (ValueError, OSError) as e:  # user errors: one sentence, no traceback, exit 2 as train.py
+        fail(e)
 
 
 if __name__ == "__main__":

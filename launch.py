@@ -12,6 +12,7 @@ import datetime
 import errno
 import fcntl
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import get_model, model_config
-from data import SYNTH_STATES, BatchLoader, load_token_data, val_batches
+from data import SYNTH_STATES, BatchLoader, find_token_files, load_token_data, val_batches
 from muon import all_gather_flat, build_optimizers
 from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
 from checkpoint import CheckpointError, Checkpointer, check_writable
@@ -54,9 +55,10 @@ class Run:
 
 def launch(hp, model_switches, stop_signal, say):
     """Everything before the clock, in order: process group, checks, plan, model, step-0 save, warm collectives."""
-    rank, world, local_rank = (
-        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
-    )
+    try:
+        rank, world, local_rank = launcher_env(os.environ)
+    except ValueError as e:
+        fail(f"error: {e}")
     cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
     device = torch.device("cpu")
     if cuda:
@@ -71,7 +73,8 @@ def launch(hp, model_switches, stop_signal, say):
         timeout = datetime.timedelta(minutes=hp.collective_timeout_min)
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
     hp = resolve(hp, device)
-    data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, say)
+    budget_s = training_budget(hp, rank, device, world, say)  # first: the plan is made for the budget the run gets
+    hp, data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, budget_s, say)
     raw_model, model, optimizers = build_model(hp, plan, model_switches, device, world)
     config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(raw_model.config)}
     checkpointer = Checkpointer(hp.checkpoint_path)
@@ -84,7 +87,6 @@ def launch(hp, model_switches, stop_signal, say):
             error = f"error: {e}"
     if not agree(error is None, device, world):
         fail(error or "error: the step-0 checkpoint could not be written; see rank 0's message")
-    budget_s = training_budget(hp, rank, device, world, say)
     say(versions(device))
     say(f"plan: {plan.line()}")
     say(
@@ -116,18 +118,22 @@ def launch(hp, model_switches, stop_signal, say):
     )
 
 
-def checked_inputs(hp, model_switches, rank, world, device, say):
-    """Data, validation, paths, the plan and the loader, agreed across ranks; nothing written yet."""
+def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
+    """Data, validation, paths, the plan and the loader, agreed across ranks; nothing written yet. Returns hp with
+    symlinked output paths resolved, and the rest."""
     try:  # data and paths may differ per rank (a node's staged copy)
         data, val = check_inputs(hp, rank, world)
+        hp = check_outputs(hp, say)
         error = None
     except (ValueError, FileNotFoundError) as e:
         error = f"error: {e}"
     if not agree(error is None, device, world):
         fail(error or f"error: another rank's input checks failed (rank {rank} passed); see that rank's message")
     say(f"data: {data.source}")
+    if hp.val_file and hp.data_dir and (twin := training_twin(hp.val_file, hp.data_dir)):
+        say(f"warning: --val_file {hp.val_file} holds the same tokens as training file {twin}: it is not held out")
     try:  # the plan's one collective comes first, so a failure below cannot pair with another rank's collective
-        plan = build_plan(hp, model_switches, device, world, say)
+        plan = build_plan(hp, model_switches, device, world, budget_s, say)
         loader = BatchLoader(
             data.train,
             hp.seq_len,
@@ -146,7 +152,7 @@ def checked_inputs(hp, model_switches, rank, world, device, say):
         error = f"error: {e}"
     if not agree(error is None, device, world):
         fail(error or f"error: another rank's checks failed (rank {rank} passed); see that rank's message")
-    return data, val, plan, loader, metrics
+    return hp, data, val, plan, loader, metrics
 
 
 def build_model(hp, plan, model_switches, device, world):
@@ -253,8 +259,6 @@ def check_inputs(hp, rank, world):
     """Data, validation windows and paths: checked, nothing written."""
     data = load_token_data(hp.data_dir, hp.vocab_size, hp.seq_len, hp.val_tokens, hp.val_file)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, rank, world, max_tokens=hp.val_eval_tokens)
-    check_writable(hp.checkpoint_path, "checkpoint_path")
-    check_writable(hp.metrics_path, "metrics_path")
     return data, val
 
 
@@ -267,8 +271,9 @@ def agree(ok, device, world):
     return flag_tensor.item() == 1.0
 
 
-def build_plan(hp, model_switches, device, world, say):
-    """The run plan from this machine's measured speed, or from --peak_tflops/--world_size for a dry run."""
+def build_plan(hp, model_switches, device, world, budget_s, say):
+    """The run plan for budget_s seconds from this machine's measured speed, or from --peak_tflops/--world_size for a
+    dry run. A plan that does not fit in memory is refused, one that fits too few steps for a schedule is said."""
     kind = device.type
     world = hp.world_size if hp.dry_run and hp.world_size != "auto" else world
     stated = hp.dry_run and hp.peak_tflops != "auto"
@@ -290,7 +295,7 @@ def build_plan(hp, model_switches, device, world, say):
         tokens_per_param=ratio,
         kind=kind,
         world_size=world,
-        budget_s=hp.time_limit_min * 60,
+        budget_s=budget_s,
         max_steps=hp.max_steps,
         seq_len=hp.seq_len,
         vocab_size=hp.vocab_size,
@@ -314,13 +319,89 @@ def build_plan(hp, model_switches, device, world, say):
                 f"{'' if row.fits else ', does not fit in memory'}"
             )
     if not plan.fits:
+        message = (
+            f"the plan needs {plan.memory_gib:.3g} GiB per device, more than the {memory / 2**30:.3g} GiB there is; "
+            f"lower --micro_batch, --batch_size or --seq_len, or pick a smaller model"
+        )
+        if not hp.dry_run:
+            raise ValueError(message)
+        say(f"warning: {message}")
+    if plan.steps == 0:
+        message = (
+            f"one step of {plan.tokens_per_step:,} tokens is forecast at {plan.step_s:.3g} s, longer than the whole "
+            f"{budget_s:.3g} s budget; lower --batch_tokens or --batch_size, or raise --time_limit_min"
+        )
+        if not hp.dry_run:
+            raise ValueError(message)
+        say(f"warning: {message}")
+    elif plan.steps < MIN_SCHEDULE_STEPS:
         say(
-            f"warning: the plan forecasts {plan.memory_gib:.3g} GiB per device, more than the "
-            f"{memory / 2**30:.3g} GiB there is"
+            f"warning: the plan fits {plan.steps} step(s) of {plan.step_s:.3g} s in the {budget_s:.3g} s budget "
+            f"(--max_steps {hp.max_steps}): too few to warm up, hold and decay; the last step runs at the floor LR"
         )
     if hp.grad_accum_steps != "auto" and hp.grad_accum_steps != plan.grad_accum_steps:
         say(f"--grad_accum_steps {hp.grad_accum_steps} is derived by the plan: {plan.grad_accum_steps}")
     return plan
+
+
+def training_twin(val_file, data_dir, head_bytes=1 << 20):
+    """The training file that val_file is (the same file, or a copy: the same size and first MiB), else None."""
+
+    def head(path):
+        with open(path, "rb") as file:
+            return file.read(head_bytes)
+
+    for path in find_token_files(data_dir):
+        same_size = os.path.getsize(path) == os.path.getsize(val_file)
+        if os.path.realpath(path) == os.path.realpath(val_file) or (same_size and head(path) == head(val_file)):
+            return path
+    return None
+
+
+MIN_SCHEDULE_STEPS = 3  # a stable step, a decaying one and the floor-LR one
+
+
+def launcher_env(env):
+    """(rank, world size, local rank) from torchrun's variables, checked: without a launcher they are 0, 1, 0."""
+    try:
+        rank, world, local_rank = (int(env.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    except ValueError:
+        raise ValueError("RANK, WORLD_SIZE and LOCAL_RANK must be integers; launch with torchrun") from None
+    if world < 1 or not 0 <= rank < world or local_rank < 0:
+        raise ValueError(f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} do not fit; launch with torchrun")
+    if world > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        raise ValueError(f"WORLD_SIZE={world} without MASTER_ADDR and MASTER_PORT: launch several ranks with torchrun")
+    return rank, world, local_rank
+
+
+def check_outputs(hp, say):
+    """The checkpoint and metrics paths, checked against every way an output can destroy an input or land
+    somewhere unexpected; returns hp with a symlinked output replaced by its target (written, and said so)."""
+    folder = hp.data_dir or ""
+    names = [os.path.join(folder, n) for n in (os.listdir(folder) if os.path.isdir(folder) else [])]
+    inputs = {os.path.realpath(p): p for p in [*names, *([hp.val_file] if hp.val_file else [])]}
+    resolved = {}
+    for flag in ("checkpoint_path", "metrics_path"):
+        path = getattr(hp, flag)
+        if not path.strip():
+            raise ValueError(f"--{flag} is empty; name a file, e.g. --{flag} {DEFAULT_NAMES[flag]}")
+        real = os.path.realpath(path)
+        if real in inputs:
+            raise ValueError(f"--{flag} {path} is the input file {inputs[real]}; writing it would destroy it")
+        if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode) and not os.path.isdir(real):
+            raise ValueError(f"--{flag} {path} is a device, pipe or socket, not a file a checkpoint can replace")
+        if os.path.islink(path):
+            say(f"--{flag} {path} is a symlink: writing its target, {real}")
+        resolved[flag] = real if os.path.islink(path) else path
+        check_writable(resolved[flag], flag)
+    if os.path.realpath(resolved["checkpoint_path"]) == os.path.realpath(resolved["metrics_path"]):
+        raise ValueError(
+            f"--metrics_path and --checkpoint_path are both {resolved['metrics_path']}; each needs its own file"
+        )
+    return dataclasses.replace(hp, **resolved)
+
+
+DEFAULT_NAMES = {"checkpoint_path": "checkpoint.pt", "metrics_path": "metrics.jsonl"}
 
 
 def slurm_end_time():

@@ -294,6 +294,11 @@ class GPT(nn.Module):
             raise ValueError(f"n_embd={cfg.n_embd} must split into n_head={cfg.n_head} heads of even size")
         if cfg.pos not in ("rope", "learned"):
             raise ValueError(f"config pos must be 'rope' or 'learned', got {cfg.pos!r}")
+        if not (cfg.mlp_ratio >= 1 and cfg.rope_base > 1 and 0 <= cfg.logit_softcap < math.inf):
+            raise ValueError(
+                f"config mlp_ratio must be >= 1, rope_base > 1 and logit_softcap a finite number >= 0, got "
+                f"{cfg.mlp_ratio}, {cfg.rope_base}, {cfg.logit_softcap}"
+            )
         self.config = cfg
         L, C = cfg.n_layer, cfg.n_embd
         self.padded_vocab = 128 * math.ceil(cfg.vocab_size / 128)  # tensor-core friendly head

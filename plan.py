@@ -309,6 +309,7 @@ class Clock:
         accum,
         log_every_s,
         may_replan,
+        planned_step_s=None,
         micro_tokens=1,
         val_every_s=0.0,
         val_until_s=0.0,
@@ -317,6 +318,7 @@ class Clock:
     ):
         self.budget_s, self.max_steps, self.accum, self.log_every_s = budget_s, max_steps, accum, log_every_s
         self.may_replan, self.micro_tokens, self.notes = may_replan, micro_tokens, []
+        self.planned_step_s = planned_step_s  # the plan's forecast, the step time before any is measured
         self.val_every_s, self.val_until_s = val_every_s, val_until_s  # periodic validation stops at val_until_s
         self.val_batches, self.val_tokens, self.val_token_s = val_batches, val_tokens, None
         self.step_s, self.compile_s, self.last, self.sync_at = None, 0.0, max_steps - 1, 0
@@ -377,7 +379,7 @@ class Clock:
             self._say_once(
                 "shrink",
                 f"validation: {batches} of {self.val_batches} batches per periodic validation (~{forecast_s:.2g} s), "
-                f"so that together they take at most {VAL_SHARE:.0%} of the budget; the final one scores all",
+                f"so that together they take at most {VAL_SHARE:.0%} of the budget; the final one is planned apart",
             )
         return batches
 
@@ -411,7 +413,7 @@ class Clock:
                     f"{new} so the budget fits in --max_steps"
                 )
                 self.step_s, self.accum = self.step_s * new / self.accum, new
-        forecast_s = self.step_s if self.step_s is not None else max(elapsed, 1e-3) / max(step, 1)
+        forecast_s = self.step_s or (self.planned_step_s if step == 0 else None) or max(elapsed, 1e-3) / max(step, 1)
         planned = last_step(step, elapsed, self.budget_s, forecast_s, reserve_s, self.max_steps, self.last)
         if planned is None:
             return "time_limit" if step > 0 else None

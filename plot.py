@@ -14,8 +14,24 @@ matplotlib is optional (pip install -e ".[plot]") and imported only here.
 
 import argparse
 import json
+import math
 import pathlib
 import sys
+
+TRAIN_KEYS = ("step", "elapsed_s", "lr_frac", "train_loss", "tokens", "tokens_per_s")  # train.py's training row
+VAL_KEYS = ("step", "val_loss")  # a validation row; its elapsed_s and tokens, when there, are drawn too
+
+
+def finite_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def fail(message):
+    """Exit status 2 with one sentence on stderr; the SystemExit carries the sentence too, for callers of main."""
+    print(f"error: {message}", file=sys.stderr)
+    error = SystemExit(f"error: {message}")
+    error.code = 2
+    raise error
 
 
 def metrics_file(path):
@@ -29,17 +45,39 @@ def metrics_file(path):
 def load_run(path):
     """{"name", "train": [rows], "val": [rows], "summary": row or None} from a run folder or metrics file."""
     path = metrics_file(path)
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text file of JSON lines.") from None
+    last = max((number for number, line in enumerate(lines, 1) if line.strip()), default=0)
     rows = []
     for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
-            if number < len(lines):  # only the last line may be cut off, by a run still writing it
+            if number < last:  # only the last line may be cut off, by a run still writing it
                 raise ValueError(f"{path} line {number} is not JSON.") from None
+            continue
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {number} is not a JSON object.")
+        if "train_loss" in row:
+            kind, keys = "training", TRAIN_KEYS
+        elif "val_loss" in row and not row.get("summary"):
+            kind, keys = "validation", VAL_KEYS + tuple(key for key in ("elapsed_s", "tokens") if key in row)
+        else:  # the summary, a row saying why a run stopped, ...: no point on a curve
+            kind, keys = None, ()
+        if missing := [key for key in keys if not finite_number(row.get(key))]:
+            raise ValueError(
+                f"{path} line {number} is a {kind} row without a finite number under {', '.join(missing)}."
+            )
+        rows.append(row)
     train = [r for r in rows if "train_loss" in r]
     val = [r for r in rows if "val_loss" in r and not r.get("summary")]
     summary = next((r for r in rows if r.get("summary")), None)
+    if not train and not val:
+        raise ValueError(f"{path} holds no training or validation rows to plot.")
     # validation rows carry no token count; every step consumes the same number of tokens
     per_step = next((r["tokens"] / r["step"] for r in reversed(train) if r.get("step")), None)
     for row in val:
@@ -51,13 +89,14 @@ def load_run(path):
 
 def run_facts(summary):
     """Shape, parameters and budget from a summary row, its "plan" and its "config", whichever hold them."""
-    sources = [summary or {}, (summary or {}).get("plan") or {}, (summary or {}).get("config") or {}]
+    summary = summary or {}
+    sources = [s for s in (summary, summary.get("plan"), summary.get("config")) if isinstance(s, dict)]
 
-    def find(*keys):
-        return next((s[k] for k in keys for s in sources if s.get(k) is not None), None)
+    def find(*keys, kind=finite_number):  # a value of another kind is no fact, not an error: the curves stand alone
+        return next((s[k] for k in keys for s in sources if kind(s.get(k))), None)
 
     facts = {}
-    n_layer, n_embd, model = find("n_layer"), find("n_embd"), find("model")
+    n_layer, n_embd, model = find("n_layer"), find("n_embd"), find("model", kind=lambda v: isinstance(v, str))
     if n_layer and n_embd:
         facts["shape"] = f"l{n_layer}w{n_embd}"
     elif isinstance(model, str) and model != "auto":
@@ -93,6 +132,14 @@ def plot_runs(paths, out):
         from matplotlib.ticker import EngFormatter
     except ImportError:
         raise ImportError('plot.py needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)') from None
+    if str(out) == "":
+        raise ValueError("--out is empty; give the PNG to write, e.g. --out curves.png.")
+    if pathlib.Path(out).is_dir():
+        raise ValueError(
+            f"--out {out} is a folder; give the PNG to write, e.g. --out {pathlib.Path(out, 'curves.png')}."
+        )
+    if not pathlib.Path(out).parent.is_dir():
+        raise ValueError(f"--out {out}: the folder {pathlib.Path(out).parent} does not exist.")
     runs = [load_run(path) for path in paths]
     if not runs:
         raise ValueError("no runs to plot.")
@@ -108,7 +155,7 @@ def plot_runs(paths, out):
         train, val = run["train"], run["val"]
         label = ", ".join([v for k, v in facts_i.items() if k not in shared])
         final = (run["summary"] or {}).get("val_loss")
-        label = run["name"] + (f" ({label})" if label else "") + (f": val {final:.3f}" if final is not None else "")
+        label = run["name"] + (f" ({label})" if label else "") + (f": val {final:.3f}" if finite_number(final) else "")
         handles.append(Line2D([], [], color=colour, linewidth=2, label=label))
         for ax, x in ((by_time, "elapsed_s"), (by_tokens, "tokens")):
             ax.plot([r[x] for r in train], [r["train_loss"] for r in train], color=colour, linewidth=1.2)
@@ -165,7 +212,10 @@ def plot_runs(paths, out):
     fig.legend(handles=handles, loc="outside lower center", ncol=min(3, len(handles)), frameon=False)
     title = ", ".join(shared.values())
     fig.suptitle(f"{len(runs)} run{'s' if len(runs) > 1 else ''}" + (f": {title}" if title else ""), fontsize=14)
-    fig.savefig(out, dpi=110)
+    try:
+        fig.savefig(out, dpi=110)
+    except (ValueError, OSError) as e:  # a format matplotlib does not write, a file it may not write
+        raise ValueError(f"--out {out}: {e}") from None
     return fig
 
 
@@ -173,11 +223,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl) or metrics .jsonl files")
     parser.add_argument("--out", default="curves.png", help="the PNG to write")
+    parser.error = fail  # a flag argparse cannot read is one sentence too (--help shows the usage)
     args = parser.parse_args(argv)
     try:
         plot_runs(args.runs, args.out)
-    except (ValueError, FileNotFoundError, ImportError) as e:  # user errors: one sentence, no traceback
-        sys.exit(f"error: {e}")
+    except (ValueError, OSError, ImportError) as e:  # user errors: one sentence, no traceback, exit 2 as eval.py
+        fail(e)
     print(f"wrote {args.out}")
 
 

@@ -14,18 +14,21 @@ per token for l4w128, 3 s for l12w768; a cache would pay only for the large shap
 """
 
 import argparse
-import pathlib
-import sys
+import math
 
 import torch
 
-from eval import load_checkpoint, load_tokenizer
+from eval import fail, load_checkpoint, load_tokenizer, user_device, user_file
 
 
 @torch.no_grad()
-def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, num_samples=1, generator=None):
-    """(num_samples, len(prompt) + max_new_tokens) token ids: the prompt, then each sample's continuation."""
+def generate(
+    model, prompt, max_new_tokens, temperature=1.0, top_k=None, num_samples=1, generator=None, vocab_size=None
+):
+    """(num_samples, len(prompt) + max_new_tokens) token ids: the prompt, then each sample's continuation.
+    New ids lie below vocab_size (default: the model's), e.g. a tokenizer's piece count, so it can decode them."""
     cfg = model.config
+    vocab_size = vocab_size or cfg.vocab_size
     idx = torch.tensor(prompt, dtype=torch.int64, device=next(model.parameters()).device).repeat(num_samples, 1)
     # the model computes logits at every position, and only the last is needed: cutting the final norm's output
     # to it makes the head's cost independent of length (7x faster at 512 tokens for l4w128 on a CPU)
@@ -33,11 +36,14 @@ def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, num_sam
     try:
         for _ in range(max_new_tokens):
             context = idx if cfg.pos == "rope" else idx[:, -cfg.seq_len :]
-            logits = model(context)[0][:, -1, : cfg.vocab_size]  # the head is padded past the vocabulary
+            logits = model(context)[0][:, -1, :vocab_size]  # past it: the head's padding, ids no tokenizer piece has
             if temperature == 0:
                 token = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
+                scaled = logits / temperature
+                if not scaled.isfinite().all():  # so small a temperature overflows: its limit, the top logits alone
+                    scaled = torch.zeros_like(logits).masked_fill(logits < logits.amax(-1, keepdim=True), float("-inf"))
+                logits = scaled
                 if top_k:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -62,10 +68,11 @@ def prompt_tokens(args, tokenizer, vocab_size):
     else:
         text = args.prompt or ""
         if text.startswith("FILE:"):
-            path = pathlib.Path(text[len("FILE:") :])
-            if not path.is_file():
-                raise FileNotFoundError(f"--prompt {text}: {path} does not exist.")
-            text = path.read_text().rstrip("\n")
+            path = user_file(text[len("FILE:") :], "--prompt file")
+            try:
+                text = path.read_text().rstrip("\n")
+            except UnicodeDecodeError:
+                raise ValueError(f"--prompt file {path} is not UTF-8 text.") from None
         bos = [] if args.no_bos or tokenizer.bos_id() < 0 else [tokenizer.bos_id()]
         ids = bos + tokenizer.encode(text)
     if not ids:
@@ -75,13 +82,25 @@ def prompt_tokens(args, tokenizer, vocab_size):
     return ids
 
 
+def check_flags(args):
+    """Each numeric flag in its range, or one sentence naming it."""
+    for flag, ok, allowed in [
+        ("max_new_tokens", args.max_new_tokens >= 0, "an integer >= 0"),
+        ("num_samples", args.num_samples >= 1, "an integer >= 1"),
+        ("temperature", math.isfinite(args.temperature) and args.temperature >= 0, "a finite number >= 0 (0: greedy)"),
+        ("top_k", args.top_k >= 0, "an integer >= 0 (0: every token)"),
+        ("seed", 0 <= args.seed < 2**64, "an integer in [0, 2**64)"),  # what torch's generator takes
+    ]:
+        if not ok:
+            raise ValueError(f"--{flag} must be {allowed}, got {getattr(args, flag)}.")
+
+
 def sample(args):
-    if args.max_new_tokens < 0 or args.num_samples < 1 or args.temperature < 0:
-        raise ValueError("--max_new_tokens must be >= 0, --num_samples >= 1 and --temperature >= 0.")
+    check_flags(args)
     model, ckpt = load_checkpoint(args.checkpoint)  # the organizers' snippet, with one-sentence errors
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device} was given but no CUDA device is visible.")
+    if not all(p.isfinite().all() for p in model.parameters()):  # they would make every probability NaN
+        raise ValueError(f"checkpoint {args.checkpoint} holds NaN or inf weights; there is nothing to sample from.")
+    device = user_device(args.device)
     model.to(device).eval()
     vocab_size = model.config.vocab_size
     tokenizer = load_tokenizer(args.tokenizer, vocab_size) if args.tokenizer else None
@@ -92,7 +111,10 @@ def sample(args):
         f"prompt {len(prompt)} tokens, training length {model.config.seq_len} | {how}"
     )
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.num_samples, generator)
+    pieces = tokenizer.get_piece_size() if tokenizer is not None else None  # may be fewer than the model's ids
+    out = generate(
+        model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.num_samples, generator, pieces
+    )
     samples = out.tolist()
     for number, ids in enumerate(samples, 1):
         print(f"--- sample {number} ---")
@@ -118,11 +140,12 @@ def main(argv=None):
     parser.add_argument("--num_samples", type=int, default=3, help="continuations of the prompt, one batch")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...; default: cuda if present")
+    parser.error = fail  # a flag argparse cannot read is one sentence too (--help shows the usage)
     args = parser.parse_args(argv)
     try:
         return sample(args)
-    except (ValueError, FileNotFoundError) as e:  # user errors: one sentence, no traceback
-        sys.exit(f"error: {e}")
+    except (ValueError, OSError) as e:  # user errors: one sentence, no traceback, exit 2 as eval.py
+        fail(e)
 
 
 if __name__ == "__main__":

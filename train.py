@@ -13,10 +13,12 @@ warmup, stable and decay all happen and the last step runs at the floor LR.
 """
 
 import argparse
+import ctypes
 import dataclasses
 import gc
 import json
 import math
+import operator
 import os
 import signal
 import sys
@@ -31,12 +33,26 @@ from tqdm import tqdm
 from model import GPTConfig
 from checkpoint import CheckpointError
 from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, Clock, peak_flops
+from data import DataChanged
 from launch import build_plan, fail, launch, resolve
 
 
-def flag(default, help, kind=None):
-    """A hyperparameter and its --help line; kind converts a flag whose default is "auto"."""
-    return field(default=default, metadata={"help": help, "kind": kind})
+def flag(default, help, kind=None, choices=None, at_least=None, above=None, below=None, at_most=None):
+    """A hyperparameter, its --help line and the values it may take (check_flags): choices, or a finite number within
+    the bounds given. kind converts a flag whose default is "auto"."""
+    bounds = {"at least": at_least, "above": above, "below": below, "at most": at_most}
+    meta = {
+        "help": help,
+        "kind": kind,
+        "choices": choices,
+        "bounds": {k: v for k, v in bounds.items() if v is not None},
+    }
+    return field(default=default, metadata=meta)
+
+
+POSITIVE = {"at_least": 1}  # counts: sequences, steps, layers
+FRACTION = {"at_least": 0.0, "at_most": 1.0}
+LR = {"at_least": 0.0}  # finite; huge ones stay allowed: a diverging run is an experiment (tests make one)
 
 
 @dataclass
@@ -44,76 +60,95 @@ class Hyperparameters:
     # --- the organizers' flag names, kept verbatim ---
     data_dir: str = flag("auto", "chunk_*.bin token folder; auto: /home/data if present, else synthetic data")
     checkpoint_path: str = flag("checkpoint.pt", "written at start, every --save_every_min, on SIGTERM and at the end")
-    seq_len: int = flag(1024, "training window in tokens")
-    vocab_size: str = flag("auto", "auto: 32000 for token files, 1024 for the synthetic data", int)
-    n_layer: str = flag("auto", "shape flag; auto: from --model (given shape flags win, see --shape_flags)", int)
-    n_head: str = flag("auto", "shape flag; auto: from --model", int)
-    n_embd: str = flag("auto", "shape flag; auto: from --model", int)
-    batch_size: int = flag(8, "the floor of the micro-batch (sequences per device per forward)")
-    grad_accum_steps: str = flag("auto", "derived by the plan from tokens per step; a given value is ignored", int)
-    max_steps: int = flag(1_000_000, "never exceeded; tokens per step grow so the budget fits in 90% of it")
-    time_limit_min: float = flag(10.0, "the training budget in minutes, from the first forward pass")
+    seq_len: int = flag(1024, "training window in tokens", **POSITIVE)
+    vocab_size: str = flag(
+        "auto", "auto: 32000 for token files, 1024 for the synthetic data", int, at_least=2, at_most=65536
+    )
+    n_layer: str = flag(
+        "auto", "shape flag; auto: from --model (given shape flags win, see --shape_flags)", int, **POSITIVE
+    )
+    n_head: str = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
+    n_embd: str = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
+    batch_size: int = flag(8, "the floor of the micro-batch (sequences per device per forward)", **POSITIVE)
+    grad_accum_steps: str = flag(
+        "auto", "derived by the plan from tokens per step; a given value is ignored", int, **POSITIVE
+    )
+    max_steps: int = flag(1_000_000, "never exceeded; tokens per step grow so the budget fits in 90% of it", **POSITIVE)
+    time_limit_min: float = flag(10.0, "the training budget in minutes, from the first forward pass", above=0.0)
     # --- the run plan (plan.py) ---
     model: str = flag("auto", "a plan.LADDER name; auto: the largest trained --tokens_per_param tokens per param")
-    shape_flags: str = flag("win", "win: --n_layer/--n_head/--n_embd override --model; ignore: --model decides")
-    tokens_per_param: str = flag("auto", f"what --model auto wants; auto: per device {TOKENS_PER_PARAM}", float)
-    auto_efficiency: str = flag("auto", f"step speed / matmul rate; auto: per device {AUTO_EFFICIENCY}", float)
-    batch_tokens: str = flag("auto", "global tokens per step; auto: the recipe's minimum, or more (--max_steps)", int)
-    micro_batch: str = flag("auto", "sequences per device per forward; auto: as many as memory allows", int)
+    shape_flags: str = flag(
+        "win", "win: --n_layer/--n_head/--n_embd override --model; ignore: --model decides", choices=("win", "ignore")
+    )
+    tokens_per_param: str = flag(
+        "auto", f"what --model auto wants; auto: per device {TOKENS_PER_PARAM}", float, above=0.0
+    )
+    auto_efficiency: str = flag(
+        "auto", f"step speed / matmul rate; auto: per device {AUTO_EFFICIENCY}", float, above=0.0, at_most=1.0
+    )
+    batch_tokens: str = flag(
+        "auto", "global tokens per step; auto: the recipe's minimum, or more (--max_steps)", int, **POSITIVE
+    )
+    micro_batch: str = flag("auto", "sequences per device per forward; auto: as many as memory allows", int, **POSITIVE)
     dry_run: bool = flag(False, "print the plan and exit before any forward pass")
-    world_size: str = flag("auto", "with --dry_run: plan for this many devices; auto: this launch's", int)
-    peak_tflops: str = flag("auto", "bf16 peak per device, for MFU (and the rate a dry run plans with)", float)
-    device_memory_gib: str = flag("auto", "per-device memory to plan with; auto: this device's", float)
+    world_size: str = flag("auto", "with --dry_run: plan for this many devices; auto: this launch's", int, **POSITIVE)
+    peak_tflops: str = flag(
+        "auto", "bf16 peak per device, for MFU (and the rate a dry run plans with)", float, above=0.0
+    )
+    device_memory_gib: str = flag("auto", "per-device memory to plan with; auto: this device's", float, above=0.0)
     # --- data and evaluation ---
     metrics_path: str = flag("auto", "JSON-lines metrics; auto: metrics.jsonl beside the checkpoint")
     val_file: str = flag("auto", "validation token file; auto: the last --val_tokens of the last data file")
-    val_tokens: int = flag(1_048_576, "size of the held-out validation range (the same tokens on every run)")
-    val_eval_tokens: str = flag("auto", "validation tokens scored; auto: all on CUDA, 65536 on CPU", int)
-    val_every_min: float = flag(0.0, "periodic validation until the decay, planned into the budget; 0: final only")
-    save_every_min: float = flag(2.5, "background checkpoint cadence; 0: only at start and end")
+    val_tokens: int = flag(
+        1_048_576, "size of the held-out validation range (the same tokens on every run)", at_least=0, at_most=1 << 27
+    )
+    val_eval_tokens: str = flag("auto", "validation tokens scored; auto: all on CUDA, 65536 on CPU", int, **POSITIVE)
+    val_every_min: float = flag(
+        0.0, "periodic validation until the decay, planned into the budget; 0: final only", at_least=0.0
+    )
+    save_every_min: float = flag(2.5, "background checkpoint cadence; 0: only at start and end", at_least=0.0)
     doc_aligned: bool = flag(False, "start every window at a BOS token (needs BOS-marked data)")
     # --- schedule and optimizer ---
-    schedule: str = flag("wsd", "wsd (warmup, stable, linear decay) or cosine (the starter's, for baselines)")
-    progress_by: str = flag("clock", "clock: elapsed / budget; steps: step / max_steps (the starter's way)")
-    warmup_frac: float = flag(0.0, "fraction of the run in linear LR warmup (Muon needs none)")
-    decay_frac: float = flag(0.4, "WSD: fraction of the run in the final linear decay")
-    min_lr_frac: float = flag(0.0, "the LR floor the decay ends at, as a fraction of each group's LR")
-    optimizer: str = flag("muon", "muon: Muon for hidden matrices + AdamW; adamw: AdamW for everything")
-    muon_lr: float = flag(0.05, "Muon LR of the hidden matrices")
-    adamw_lr: float = flag(3e-3, "AdamW LR of the hidden matrices with --optimizer adamw")
-    embed_lr: float = flag(0.6, "AdamW LR of the embedding tables")
-    head_lr: float = flag(0.008, "AdamW LR of the output head (and of a tied embedding)")
-    scalar_lr: float = flag(0.04, "AdamW LR of gains and scalars")
-    weight_decay: float = flag(0.0, "decoupled weight decay of matrices and tables")
-    muon_momentum_start: float = flag(0.85, "Muon momentum at the start (early gradients are noisy)")
-    muon_momentum: float = flag(0.95, "Muon momentum after --momentum_warmup_frac")
-    momentum_warmup_frac: float = flag(0.15, "fraction of the run over which Muon momentum warms up")
+    schedule: str = flag(
+        "wsd", "wsd (warmup, stable, linear decay) or cosine (the starter's, for baselines)", choices=("wsd", "cosine")
+    )
+    progress_by: str = flag(
+        "clock", "clock: elapsed / budget; steps: step / max_steps (the starter's way)", choices=("clock", "steps")
+    )
+    warmup_frac: float = flag(0.0, "fraction of the run in linear LR warmup (Muon needs none)", at_least=0.0, below=1.0)
+    decay_frac: float = flag(0.4, "WSD: fraction of the run in the final linear decay", above=0.0, at_most=1.0)
+    min_lr_frac: float = flag(0.0, "the LR floor the decay ends at, as a fraction of each group's LR", **FRACTION)
+    optimizer: str = flag(
+        "muon", "muon: Muon for hidden matrices + AdamW; adamw: AdamW for everything", choices=("muon", "adamw")
+    )
+    muon_lr: float = flag(0.05, "Muon LR of the hidden matrices", **LR)
+    adamw_lr: float = flag(3e-3, "AdamW LR of the hidden matrices with --optimizer adamw", **LR)
+    embed_lr: float = flag(0.6, "AdamW LR of the embedding tables", **LR)
+    head_lr: float = flag(0.008, "AdamW LR of the output head (and of a tied embedding)", **LR)
+    scalar_lr: float = flag(0.04, "AdamW LR of gains and scalars", **LR)
+    weight_decay: float = flag(0.0, "decoupled weight decay of matrices and tables", **LR)
+    muon_momentum_start: float = flag(
+        0.85, "Muon momentum at the start (early gradients are noisy)", at_least=0.0, below=1.0
+    )
+    muon_momentum: float = flag(0.95, "Muon momentum after --momentum_warmup_frac", at_least=0.0, below=1.0)
+    momentum_warmup_frac: float = flag(0.15, "fraction of the run over which Muon momentum warms up", **FRACTION)
     # --- device and runtime ---
-    device: str = flag("auto", "auto (CUDA if present), cpu or cuda")
+    device: str = flag("auto", "auto (CUDA if present), cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: str = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
-    autocast: str = flag("auto", "bf16 or none; auto: bf16 on CUDA, none on CPU")
-    grad_reduce: str = flag("bf16", "dtype of the gradient all-reduce across ranks: bf16 (half the bytes) or fp32")
-    collective_timeout_min: float = flag(5.0, "a rank silent this long in a collective ends the job (> compile skew)")
-    slurm_reserve_s: float = flag(60.0, "under SLURM, seconds kept after training for the final save and exit")
-    seed: int = flag(0, "seed of the weights and of the data order")
-    log_every_s: float = flag(1.0, "host-sync cadence: clock check, loss read, stop decision, metrics row")
-
-
-CHOICES = {
-    "shape_flags": ("win", "ignore"),
-    "schedule": ("wsd", "cosine"),
-    "optimizer": ("muon", "adamw"),
-    "progress_by": ("clock", "steps"),
-    "device": ("auto", "cpu", "cuda"),
-    "autocast": ("auto", "bf16", "none"),
-    "grad_reduce": ("bf16", "fp32"),
-}
-POSITIVE = (
-    "seq_len batch_size max_steps vocab_size n_layer n_head n_embd grad_accum_steps batch_tokens micro_batch "
-    "world_size time_limit_min val_eval_tokens peak_tflops device_memory_gib tokens_per_param auto_efficiency "
-    "collective_timeout_min"
-).split()
-NON_NEGATIVE = "val_tokens val_every_min save_every_min slurm_reserve_s warmup_frac min_lr_frac log_every_s".split()
+    autocast: str = flag("auto", "bf16 or none; auto: bf16 on CUDA, none on CPU", choices=("auto", "bf16", "none"))
+    grad_reduce: str = flag(
+        "bf16", "dtype of the gradient all-reduce across ranks: bf16 (half the bytes) or fp32", choices=("bf16", "fp32")
+    )
+    collective_timeout_min: float = flag(
+        5.0, "a rank silent this long in a collective ends the job (> compile skew)", above=0.0
+    )
+    slurm_reserve_s: float = flag(
+        60.0, "under SLURM, seconds kept after training for the final save and exit", at_least=0.0
+    )
+    seed: int = flag(0, "seed of the weights and of the data order", at_least=0, below=2**32)
+    log_every_s: float = flag(
+        1.0, "host-sync cadence: clock check, loss read, stop decision, metrics row", at_least=0.0
+    )
 
 
 def parse_args(argv=None):
@@ -145,27 +180,26 @@ def parse_args(argv=None):
     return Hyperparameters(**args), model_switches, unknown
 
 
+BOUND_TESTS = {"at least": operator.ge, "above": operator.gt, "below": operator.lt, "at most": operator.le}
+
+
 def check_flags(hp):
     """Flag values a user can get wrong, as one sentence each; the same on every rank, so no collective."""
-    for name, allowed in CHOICES.items():
-        if getattr(hp, name) not in allowed:
-            raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(hp, name)!r}")
-    for name in POSITIVE:
-        value = getattr(hp, name)
-        if value != "auto" and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{name} must be a finite number above 0, got {value}")
-    for name in NON_NEGATIVE:
-        if not (math.isfinite(getattr(hp, name)) and getattr(hp, name) >= 0):
-            raise ValueError(f"--{name} must be a finite number >= 0, got {getattr(hp, name)}")
-    if not 0.0 < hp.decay_frac <= 1.0:
-        raise ValueError(f"--decay_frac must be in (0, 1] so the last step runs at the floor LR, got {hp.decay_frac}")
-    if hp.warmup_frac >= 1.0 or (hp.schedule == "wsd" and hp.warmup_frac + hp.decay_frac > 1.0):
+    for f in dataclasses.fields(hp):
+        value, choices, bounds = getattr(hp, f.name), f.metadata["choices"], f.metadata["bounds"]
+        if choices and value not in choices:
+            raise ValueError(f"--{f.name} must be one of {', '.join(choices)}, got {value!r}")
+        if not bounds or value == "auto":
+            continue
+        if not math.isfinite(value):
+            raise ValueError(f"--{f.name} must be a finite number, got {value}")
+        for words, bound in bounds.items():
+            if not BOUND_TESTS[words](value, bound):
+                raise ValueError(f"--{f.name} must be {words} {bound}, got {value}")
+    if hp.schedule == "wsd" and hp.warmup_frac + hp.decay_frac > 1.0:
         raise ValueError(
-            f"--warmup_frac {hp.warmup_frac} leaves no room for the decay: it must be below 1 and, with "
-            f"wsd, at most 1 - --decay_frac"
+            f"--warmup_frac {hp.warmup_frac} leaves no room for the decay: with wsd it must be at most 1 - --decay_frac"
         )
-    if hp.min_lr_frac > 1.0:
-        raise ValueError(f"--min_lr_frac must be at most 1, got {hp.min_lr_frac}")
     if hp.device == "cuda" and not torch.cuda.is_available() and not hp.dry_run:
         raise ValueError("--device cuda was given but no CUDA device is visible")
 
@@ -193,10 +227,16 @@ def schedule(progress_frac, hp):
 # ----------------------------------------------------------------------------- main
 
 
+# every way a job is told to stop: preemption and torchrun (TERM), Ctrl-C (INT), a dropped ssh session (HUP),
+# `sbatch --signal` (USR1, USR2), a quit key (QUIT), a CPU-time limit (XCPU)
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU")
+
+
 def main(argv=None):
-    stop_signal = []  # SIGTERM/SIGINT from here on: finish the current step, save, exit 0
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda sig, frame: stop_signal.append(sig))
+    stop_signal = []  # from here on: finish the current step (or micro-step), save, validate, exit 0
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), lambda sig, frame: stop_signal.append(sig))
+    stop_with_the_launcher()
     hp, model_switches, unknown = parse_args(argv)
     say = print_on_rank0
     if unknown:
@@ -230,6 +270,22 @@ def main(argv=None):
             os._exit(0)
 
 
+def stop_with_the_launcher():
+    """Under torchrun, a worker is sent SIGTERM when its launcher dies: torchrun forwards TERM, INT, HUP and QUIT,
+    but a signal it does not handle (USR1 from `sbatch --signal`) kills it outright and would orphan the worker."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the launcher's own forwarding is all there is
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 def print_on_rank0(message):
     if int(os.environ.get("RANK", 0)) == 0:
         tqdm.write(message, file=sys.stdout)  # above the progress bar, not on its line
@@ -242,7 +298,8 @@ def dry_run(hp, model_switches, say):
     kind = "cuda" if cuda or (hp.peak_tflops != "auto" and hp.device != "cpu") else "cpu"
     hp = resolve(hp, torch.device(kind))
     try:
-        plan = build_plan(hp, model_switches, torch.device(kind), int(os.environ.get("WORLD_SIZE", 1)), say)
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        plan = build_plan(hp, model_switches, torch.device(kind), world, hp.time_limit_min * 60, say)
     except ValueError as e:
         fail(f"error: {e}")
     say(plan.line())
@@ -253,7 +310,7 @@ def dry_run(hp, model_switches, say):
 def evaluate(model, batches, device, amp):
     """Mean next-token loss over these validation batches of this rank, averaged over ranks. Eager and without
     autograd, so validation compiles no graph of its own whatever its batch shapes, and costs less than the
-    training graphs would (BENCHMARKS.md: at l16w128 on CPU, 627 ms a batch against 1,165 ms compiled with grad on,
+    training graphs would (BENCHMARKS.md: at l16w128 on CPU, 754 ms a batch against 1,350 ms compiled with grad on,
     where the head's gradients are taken in forward)."""
     model.eval()
     total, count = torch.zeros((), device=device), 0
@@ -283,6 +340,7 @@ def train(run):
         plan.grad_accum_steps,
         hp.log_every_s,
         may_replan=hp.batch_tokens == "auto",
+        planned_step_s=plan.step_s,
         micro_tokens=plan.micro_batch * hp.seq_len,
         val_every_s=hp.val_every_min * 60,
         val_until_s=run.budget_s * (1 - hp.decay_frac),
@@ -338,10 +396,20 @@ def train(run):
                 group["lr"] = group["base_lr"] * lr_frac
                 if "momentum" in group:
                     group["momentum"] = momentum
-        if step == 0 and hp.compile:
-            step_loss, compile_fallback = first_compiled_step(run, clock.accum, amp)
-        else:
-            step_loss = accumulate(run, clock.accum, amp)
+        try:
+            if step == 0 and hp.compile:
+                step_loss, compile_fallback = first_compiled_step(run, clock.accum, amp)
+            else:
+                step_loss = accumulate(
+                    run, clock.accum, amp, check_stop=run.world == 1 or (clock.step_s or 0.0) > STOP_CHECK_S
+                )
+        except DataChanged as e:  # the weights trained so far are saved, with one message
+            run.say(f"stopping: {e}")
+            step_loss, stop_reason = None, "data"
+        if step_loss is None:  # stopped between micro-steps: this step's gradients are dropped
+            run.model.zero_grad(set_to_none=True)
+            stop_reason = stop_reason or "signal"
+            break
         loss_sum += step_loss
         for opt in run.optimizers:
             opt.step()
@@ -370,10 +438,18 @@ def train(run):
 RECOMPILE_STANCE = "eager_on_recompile"
 
 
-def accumulate(run, accum, amp):
-    """Forward and backward of one optimizer step's micro-batches; the mean loss, as a tensor (no host sync)."""
+# steps longer than this look for a stop signal between micro-steps too (one all-reduce of a flag each, on several
+# ranks): a stop is then honoured within a micro-step, inside SLURM's 30 s between SIGTERM and SIGKILL
+STOP_CHECK_S = 5.0
+
+
+def accumulate(run, accum, amp, check_stop=False):
+    """Forward and backward of one optimizer step's micro-batches; the mean loss, as a tensor (no host sync), or None
+    when check_stop found a stop signal between micro-steps (agreed across ranks)."""
     step_loss = torch.zeros((), device=run.device)
     for micro in range(accum):
+        if check_stop and micro and stop_agreed(run):
+            return None
         x, y = next(run.loader)
         # gradients are all-reduced once per optimizer step, on the last micro-step
         with run.model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
@@ -382,6 +458,14 @@ def accumulate(run, accum, amp):
             (loss / accum).backward()
         step_loss += loss.detach() / accum
     return step_loss
+
+
+def stop_agreed(run):
+    if run.world == 1:
+        return bool(run.stop_signal)
+    flag = torch.tensor([float(bool(run.stop_signal))], device=run.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
 
 
 def first_compiled_step(run, accum, amp):

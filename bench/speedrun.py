@@ -129,7 +129,7 @@ def write_curves(out, names):
     try:
         plot.plot_runs(runs, out / "curves.png")
         print(f"curves: {out / 'curves.png'}")
-    except ImportError as e:
+    except (ImportError, ValueError) as e:  # no matplotlib, or a variant that died before its first row
         print(f"no curves.png written: {e}")
 
 

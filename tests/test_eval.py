@@ -1,9 +1,11 @@
 """eval.py on bad inputs: every bad checkpoint or flag is one sentence on stderr and exit status 2."""
 
+import json
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +130,121 @@ def test_user_errors_are_one_sentence_and_exit_2(good_checkpoint, tmp_path, monk
     np.array([1, 2, 3], dtype="<u2").tofile(tmp_path / "short.bin")
     code, err = run_eval([good_checkpoint, "--device", "cpu", *flags], capsys)  # a later --device wins
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+# ----------------------------------------------------------------------------- odd files and flags (issue 26, class 7)
+
+
+@pytest.fixture(scope="module")
+def odd_inputs(good_checkpoint):
+    """A folder of inputs eval.py must refuse with one sentence, beside the good checkpoint and val.bin."""
+    from conftest import train_tokenizer
+
+    folder = good_checkpoint.parent / "odd"
+    folder.mkdir()
+    train_tokenizer(folder, ["the red fox jumps over the dog", "a small boat sails on the lake"], vocab_size=40)
+    learned = {**CONFIG, "pos": "learned"}
+    torch.save({"model": get_model(learned).state_dict(), "config": learned}, folder / "learned.pt")
+    (folder / "empty.bin").write_bytes(b"")
+    (folder / "a_folder").mkdir()
+    (folder / "odd_chunks").mkdir()
+    (folder / "odd_chunks" / "chunk_0001.bin").write_bytes(b"\x01\x00\x02")
+    (folder / "binary").write_bytes(bytes(range(128, 256)) * 4)  # not UTF-8
+    example = {"ctx": "the red fox", "endings": ["jumps over", "sails on"], "label": 0}
+    rows = {
+        "good": [example, {**example, "label": "1"}],  # some dumps write the label as a string
+        "not_objects": [[1, 2]],
+        "string_endings": [{**example, "endings": "jumps"}],
+        "float_label": [{**example, "label": 0.5}],
+        "bool_label": [{**example, "label": True}],
+        "label_out_of_range": [{**example, "label": 2}],
+        "empty_ending": [{**example, "endings": ["", "sails on"]}],
+        "no_label": [{k: v for k, v in example.items() if k != "label"}],
+        "one_ending": [{**example, "endings": ["jumps over"]}],
+        "long_ending": [{**example, "endings": ["the dog " * 20, "sails on"]}],
+    }
+    for name, lines in rows.items():
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lines))
+    (folder / "not_json.jsonl").write_text(json.dumps(example) + "\n{not json\n")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch_size", "0"], "--batch_size must be positive, got 0"),
+        (["--max_tokens", "-5"], "--max_tokens must be positive, got -5"),
+        (["--seq_len", "-1"], "--seq_len must be positive, got -1"),
+        (["CKPT=learned.pt", "--seq_len", "32"], "--seq_len 32 is longer than the checkpoint's learned position table"),
+        (["CKPT=a_folder"], "is a folder, not a file"),
+        (["--data", "ODD/empty.bin"], "empty.bin is empty (0 bytes)"),
+        (["--data", "ODD/a_folder"], "holds neither val.bin nor chunk_*.bin"),
+        (["--data", "ODD/odd_chunks"], "chunk_0001.bin has an odd size (3 bytes)"),
+        (["--device", "tpu"], "--device tpu is not a device name"),
+        (["--device", "meta"], "--device meta is not a device this machine can run the model on"),
+        (["--device", "cuda:0x"], "--device cuda:0x is not a device name"),
+        (
+            ["--tokenizer", "ODD/binary", "--hellaswag", "ODD/good.jsonl"],
+            "--tokenizer ODD/binary is not a SentencePiece",
+        ),
+        (["--tokenizer", "ODD/a_folder", "--hellaswag", "ODD/good.jsonl"], "--tokenizer ODD/a_folder is a folder"),
+        (["--hellaswag", "ODD/a_folder"], "--hellaswag ODD/a_folder is a folder"),
+        (["--hellaswag", "ODD/missing.jsonl"], "--hellaswag ODD/missing.jsonl does not exist"),
+        (["--hellaswag", "ODD/binary"], "--hellaswag ODD/binary is not a text file"),
+        (["--hellaswag", "ODD/empty.bin"], "--hellaswag ODD/empty.bin holds no examples"),
+        (["--hellaswag", "ODD/not_json.jsonl"], "not_json.jsonl line 2 is not an example"),
+        *[
+            (["--hellaswag", f"ODD/{case}.jsonl"], f"{case}.jsonl line 1 is not an example")
+            for case in (
+                "not_objects string_endings float_label bool_label label_out_of_range empty_ending no_label one_ending"
+            ).split()
+        ],
+        (["--hellaswag", "ODD/long_ending.jsonl"], "--hellaswag example 1: every ending needs 1..16 tokens"),
+    ],
+)
+def test_odd_files_and_flags_are_one_sentence_and_exit_2(good_checkpoint, odd_inputs, capsys, flags, message):
+    checkpoint = good_checkpoint
+    if flags[0].startswith("CKPT="):
+        checkpoint, flags = odd_inputs / flags[0][len("CKPT=") :], flags[1:]
+    if "--hellaswag" in flags and "--tokenizer" not in flags:
+        flags = [*flags, "--tokenizer", "ODD/tok.model"]
+    flags = [flag.replace("ODD", str(odd_inputs)) for flag in flags]
+    code, err = run_eval(
+        [checkpoint, "--data", good_checkpoint.with_name("val.bin"), "--device", "cpu", *flags], capsys
+    )
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert message.replace("ODD", str(odd_inputs)) in err[0], err
+
+
+def test_a_cuda_index_past_the_visible_devices_is_one_sentence(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"--device cuda:2 was given but only cuda:0 to cuda:1 are visible"):
+        eval_py.user_device("cuda:2")
+
+
+def test_hellaswag_labels_written_as_strings_still_count(good_checkpoint, odd_inputs):
+    result = eval_py.main(
+        [
+            str(good_checkpoint),
+            "--data",
+            str(good_checkpoint.with_name("val.bin")),
+            "--device",
+            "cpu",
+            "--hellaswag",
+            str(odd_inputs / "good.jsonl"),
+            "--tokenizer",
+            str(odd_inputs / "tok.model"),
+        ]
+    )
+    assert result["hellaswag_examples"] == 2 and 0 <= result["hellaswag_acc"] <= 1
+
+
+def test_a_damaged_checkpoint_warns_nothing_beside_its_sentence(tmp_path):
+    bad = tmp_path / "protocol_129.pt"
+    bad.write_bytes(bytes(range(128, 256)))  # reads as pickle protocol 129, which torch warns about before failing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=r"\(128 bytes\) is not a readable torch checkpoint"):
+            eval_py.load_checkpoint(bad)
+    assert not caught, [str(w.message) for w in caught]

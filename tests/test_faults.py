@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+import data
+
 from test_train import (
     SHAPE,
     TINY,
@@ -323,3 +325,255 @@ def test_each_rank_finds_its_gpu_under_torchrun_and_under_one_gpu_per_task():
     assert cuda_index(local_rank=5, visible=1) == 0  # srun --gpus-per-task=1: the one it was given
     with pytest.raises(ValueError, match="LOCAL_RANK 5 has no GPU: 4 are visible"):
         cuda_index(local_rank=5, visible=4)
+
+
+# ----------------------------------------------------------------------------- class by class: stops, outputs, flags
+
+
+def test_a_launcher_killed_by_a_signal_it_does_not_forward_leaves_no_orphan_and_its_workers_save(tmp_path, token_dir):
+    # SIGUSR1 (sbatch --signal) kills torchrun outright; its workers are then told to stop (PR_SET_PDEATHSIG)
+    args = [*on_tokens(token_dir), *TINY, "--time_limit_min", "10"]
+    proc = subprocess.Popen(
+        command(args, 2), cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        first_row(proc, tmp_path / "metrics.jsonl")
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGUSR1)
+        proc.communicate(timeout=60)
+        deadline = time.perf_counter() + 60
+        while any(os.path.exists(f"/proc/{w}") for w in workers) and time.perf_counter() < deadline:
+            time.sleep(0.2)
+        assert not any(os.path.exists(f"/proc/{w}") for w in workers), "a worker outlived its launcher"
+    finally:
+        proc.kill()
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["stop_reason"] == "signal" and summary["world_size"] == 2
+    _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ckpt["step"] == summary["steps"] > 0
+
+
+def test_a_stop_inside_a_long_accumulation_is_honoured_between_micro_steps(tmp_path, token_dir):
+    # 640 micro-batches a step: a step takes ~15-25 s here, a micro-step ~30 ms
+    args = [*on_tokens(token_dir), *SHAPE, "--seq_len", "32", "--micro_batch", "8", "--batch_tokens", str(640 * 256)]
+    proc = subprocess.Popen(
+        command([*args, "--time_limit_min", "10", "--val_tokens", "4096"], 1),
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first_row(proc, tmp_path / "metrics.jsonl")
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.perf_counter()
+        proc.communicate(timeout=120)
+        honoured = time.perf_counter() - signalled
+    finally:
+        proc.kill()
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    step_s = step_seconds(rows) if len(rows) > 2 else rows[-1]["elapsed_s"] / rows[-1]["step"]
+    assert summary["stop_reason"] == "signal" and summary["grad_accum_steps"] == 640
+    assert honoured < min(0.25 * step_s, 5.0), (honoured, step_s)  # not the rest of the step: a micro-step, save, exit
+    _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ckpt["step"] == summary["steps"]  # the interrupted step's gradients were dropped, not half-applied
+
+
+@pytest.fixture
+def outputs_hp(tmp_path, token_dir):
+    """Hyperparameters resolved as a run on token_dir writing into tmp_path would have them."""
+    import launch
+    import train
+
+    hp, _, _ = train.parse_args(["--data_dir", str(token_dir), "--checkpoint_path", str(tmp_path / "ck.pt")])
+    return launch.resolve(hp, torch.device("cpu"))
+
+
+OUTPUT_CASES = {
+    "checkpoint is a data chunk": (lambda hp, tmp, data: {"checkpoint_path": str(data / "chunk_0001.bin")}, "input"),
+    "metrics is a data chunk": (lambda hp, tmp, data: {"metrics_path": str(data / "chunk_0002.bin")}, "input"),
+    "checkpoint links to a chunk": (
+        lambda hp, tmp, data: {"checkpoint_path": link(tmp, data / "chunk_0001.bin")},
+        "input",
+    ),
+    "metrics equals checkpoint": (lambda hp, tmp, data: {"metrics_path": hp.checkpoint_path}, "each needs its own"),
+    "checkpoint is a FIFO": (lambda hp, tmp, data: {"checkpoint_path": fifo(tmp)}, "pipe"),
+    "checkpoint is a device": (lambda hp, tmp, data: {"checkpoint_path": "/dev/null"}, "device"),
+    "checkpoint is empty": (lambda hp, tmp, data: {"checkpoint_path": ""}, "empty"),
+    "metrics is blank": (lambda hp, tmp, data: {"metrics_path": "  "}, "empty"),
+    "checkpoint is a folder": (lambda hp, tmp, data: {"checkpoint_path": str(tmp)}, "folder"),
+    "val_file is the checkpoint": (lambda hp, tmp, data: {"val_file": hp.checkpoint_path}, "input"),
+}
+
+
+def link(tmp, target):
+    (tmp / "link.pt").symlink_to(target)
+    return str(tmp / "link.pt")
+
+
+def fifo(tmp):
+    os.mkfifo(tmp / "pipe.pt")
+    return str(tmp / "pipe.pt")
+
+
+@pytest.mark.parametrize("case", OUTPUT_CASES.values(), ids=OUTPUT_CASES.keys())
+def test_an_output_path_never_destroys_an_input_or_lands_somewhere_unexpected(outputs_hp, tmp_path, token_dir, case):
+    import dataclasses
+
+    import launch
+
+    make, words = case
+    hp = dataclasses.replace(outputs_hp, **make(outputs_hp, tmp_path, token_dir))
+    before = {p.name: p.read_bytes() for p in token_dir.iterdir()}
+    with pytest.raises(ValueError, match=words):
+        launch.check_outputs(hp, print)
+    assert {p.name: p.read_bytes() for p in token_dir.iterdir()} == before
+
+
+def test_a_symlinked_checkpoint_writes_its_target_and_says_so(outputs_hp, tmp_path):
+    import dataclasses
+
+    import launch
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "latest.pt").symlink_to(tmp_path / "runs" / "ck.pt")
+    said = []
+    hp = launch.check_outputs(dataclasses.replace(outputs_hp, checkpoint_path=str(tmp_path / "latest.pt")), said.append)
+    assert hp.checkpoint_path == str(tmp_path / "runs" / "ck.pt") and "symlink" in said[0]
+
+
+def test_checkpoint_path_naming_a_chunk_is_refused_end_to_end_and_the_chunk_is_kept(tmp_path, token_dir):
+    chunk = token_dir / "chunk_0001.bin"
+    before = chunk.read_bytes()
+    proc, _ = run_train([*on_tokens(token_dir), *TINY, "--checkpoint_path", str(chunk)], tmp_path, expect_rc=2)
+    assert "would destroy it" in proc.stderr and "Traceback" not in proc.stderr
+    assert chunk.read_bytes() == before
+
+
+FLAG_CASES = {
+    "--seed -1": ["--seed", "-1"],
+    "--seed 2**32": ["--seed", str(2**32)],
+    "--muon_lr nan": ["--muon_lr", "nan"],
+    "--embed_lr -0.1": ["--embed_lr", "-0.1"],
+    "--head_lr inf": ["--head_lr", "inf"],
+    "--weight_decay inf": ["--weight_decay", "inf"],
+    "--muon_momentum 1": ["--muon_momentum", "1.0"],
+    "--muon_momentum_start -0.5": ["--muon_momentum_start", "-0.5"],
+    "--momentum_warmup_frac 2": ["--momentum_warmup_frac", "2"],
+    "--min_lr_frac 1.5": ["--min_lr_frac", "1.5"],
+    "--auto_efficiency 3": ["--auto_efficiency", "3"],
+    "--vocab_size 70000": ["--vocab_size", "70000"],
+    "--vocab_size 1": ["--vocab_size", "1"],
+    "--val_tokens 10**9": ["--val_tokens", str(10**9)],
+    "--collective_timeout_min 0": ["--collective_timeout_min", "0"],
+    "--log_every_s -1": ["--log_every_s", "-1"],
+    "--peak_tflops nan": ["--peak_tflops", "nan"],
+    "--micro_batch 0": ["--micro_batch", "0"],
+    "--optimizer sgd": ["--optimizer", "sgd"],
+    "--warmup_frac 0.7 with decay 0.4": ["--warmup_frac", "0.7"],
+}
+
+
+@pytest.mark.parametrize("argv", FLAG_CASES.values(), ids=FLAG_CASES.keys())
+def test_every_numeric_flag_has_a_range_checked_before_anything_runs(argv):
+    import train
+
+    hp, _, _ = train.parse_args(argv)
+    with pytest.raises(ValueError, match=argv[0]):
+        train.check_flags(hp)
+
+
+def test_model_switches_out_of_range_are_one_sentence():
+    from model import get_model
+
+    for bad in ({"mlp_ratio": 0}, {"rope_base": 1.0}, {"logit_softcap": -1.0}, {"logit_softcap": float("nan")}):
+        with pytest.raises(ValueError, match="mlp_ratio must be"):
+            get_model({"vocab_size": 64, "n_layer": 1, "n_head": 1, "n_embd": 8, **bad})
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"RANK": "3", "WORLD_SIZE": "2"}, "do not fit"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "do not fit"),
+        ({"LOCAL_RANK": "-1"}, "do not fit"),
+        ({"RANK": "one"}, "integers"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR"),
+    ],
+)
+def test_rank_variables_without_a_launcher_are_one_sentence(env, words):
+    from launch import launcher_env
+
+    with pytest.raises(ValueError, match=words):
+        launcher_env(env)
+    assert launcher_env({}) == (0, 1, 0)
+    assert launcher_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}) == (1, 2, 0)
+
+
+def test_a_plan_that_does_not_fit_in_memory_is_refused_before_the_step0_save(tmp_path):
+    trained = tmp_path / "checkpoint.pt"
+    trained.write_bytes(b"trained weights")
+    args = [*SHAPE, "--seq_len", "1024", "--micro_batch", "4096", "--val_tokens", "4096", "--device_memory_gib", "1"]
+    proc, _ = run_train(args, tmp_path, expect_rc=2)
+    assert "the plan needs" in proc.stderr and "GiB per device" in proc.stderr and "Traceback" not in proc.stderr
+    assert trained.read_bytes() == b"trained weights"
+
+
+@pytest.mark.parametrize("max_steps", [1, 2])
+def test_too_few_steps_for_a_schedule_are_said_and_the_last_step_runs_at_the_floor(tmp_path, max_steps):
+    args = synthetic_time_run(tmp_path, ["--max_steps", str(max_steps), "--val_tokens", "4096"], budget_min=0.1)
+    proc, _ = run_train(args, tmp_path, timeout=180)
+    assert "too few to warm up, hold and decay" in proc.stdout
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["steps"] == max_steps and summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0
+    assert rows[0]["lr_frac"] == (0.0 if max_steps == 1 else 1.0)  # two steps: one at the full LR, then the floor
+
+
+def test_a_step_that_outlasts_the_whole_budget_is_refused_before_the_clock(tmp_path):
+    args = synthetic_time_run(tmp_path, ["--batch_tokens", str(1 << 22), "--val_tokens", "4096"], budget_min=0.1)
+    proc, _ = run_train(args, tmp_path, expect_rc=2)
+    assert "longer than the whole" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_a_val_file_that_is_a_training_file_or_its_copy_is_warned_about(tmp_path, token_dir):
+    import shutil
+
+    from launch import training_twin
+
+    shutil.copy(token_dir / "chunk_0002.bin", tmp_path / "val.bin")
+    assert training_twin(token_dir / "chunk_0002.bin", token_dir).name == "chunk_0002.bin"
+    assert training_twin(tmp_path / "val.bin", token_dir).name == "chunk_0002.bin"
+    data.write_synthetic(tmp_path / "other", 1 << 17, vocab_size=VOCAB, n_states=512, seed=1)
+    assert training_twin(tmp_path / "other" / "chunk_0001.bin", token_dir) is None
+
+
+@pytest.mark.parametrize("damaged", ["one", "all"])
+def test_data_truncated_under_a_running_job_is_skipped_or_ends_it_with_the_weights_saved(tmp_path, damaged):
+    folder = tmp_path / "tokens"
+    data.write_synthetic(folder, 3 << 17, chunk_tokens=1 << 17, vocab_size=VOCAB, n_states=512)
+    files = sorted(folder.glob("chunk_*.bin"))
+    args = [*on_tokens(folder), *TINY, "--time_limit_min", "10", "--val_tokens", "4096"]
+    proc = subprocess.Popen(
+        command(args, 1), cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        first_row(proc, tmp_path / "metrics.jsonl")
+        for path in files if damaged == "all" else files[:1]:  # as a careless copy to shared storage does
+            os.truncate(path, 2 * 1000)
+        if damaged == "one":
+            time.sleep(3.0)  # the other files carry the run on
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert err.count("changed under the run") == (1 if damaged == "one" else 3), err[-3000:]  # once per file
+    assert ("stopping: every training file changed under the run" in out) == (damaged == "all")
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["stop_reason"] == ("signal" if damaged == "one" else "data") and summary["steps"] > 0
+    _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ckpt["step"] == summary["steps"]

@@ -107,3 +107,68 @@ def test_speedrun_writes_its_variants_curves_beside_the_table(tmp_path):
     write_metrics(tmp_path / "starter" / "metrics.jsonl", floor=3.3)
     speedrun.write_curves(tmp_path, ["default", "starter", "failed_before_any_metrics"])
     assert (tmp_path / "curves.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+# ----------------------------------------------------------------------------- odd files and flags (issue 26, class 7)
+
+TRAIN_ROW = {"step": 1, "elapsed_s": 0.5, "lr_frac": 1.0, "train_loss": 9.0, "tokens": 1024, "tokens_per_s": 2048}
+ODD_METRICS = {
+    "empty.jsonl": ("", "holds no training or validation rows"),
+    "blank_lines.jsonl": ("\n\n  \n", "holds no training or validation rows"),
+    "only_a_cut_off_row.jsonl": ('{"step": 1, "elap', "holds no training or validation rows"),
+    "summary_only.jsonl": ('{"summary": true, "params": 5}\n', "holds no training or validation rows"),
+    "binary.bin": (bytes(range(128, 256)), "is not a text file of JSON lines"),
+    "tokens.bin": (b"\x01\x00\x0a\x00\x02\x00" * 4, "line 1 is not JSON"),  # token 10 is a newline
+    "a_list.jsonl": ("[1, 2]\n" + json.dumps(TRAIN_ROW) + "\n", "line 1 is not a JSON object"),
+    "a_number.jsonl": ("\n7\n" + json.dumps(TRAIN_ROW) + "\n", "line 2 is not a JSON object"),  # blank lines count
+    "lacks_keys.jsonl": ('{"step": 1, "train_loss": 3.0}\n', "line 1 is a training row without a finite number under "),
+    "string_loss.jsonl": (json.dumps({**TRAIN_ROW, "train_loss": "9"}), "without a finite number under train_loss"),
+    "null_loss.jsonl": (json.dumps({**TRAIN_ROW, "train_loss": None}), "without a finite number under train_loss"),
+    "nan_loss.jsonl": (json.dumps({**TRAIN_ROW, "train_loss": float("nan")}), "without a finite number under"),
+    "val_without_step.jsonl": ('{"val_loss": 3.0}\n', "line 1 is a validation row without a finite number under step"),
+    "val_bad_tokens.jsonl": ('{"step": 1, "val_loss": 3.0, "tokens": "x"}\n', "validation row without a finite number"),
+}
+
+
+@pytest.mark.parametrize("name", ODD_METRICS)
+def test_odd_metrics_files_are_one_sentence_naming_the_file_and_exit_2(tmp_path, capsys, name):
+    text, message = ODD_METRICS[name]
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(SystemExit) as exit_:
+        plot.main([str(path), "--out", str(tmp_path / "curves.png")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == [err[0]] and err[0].startswith(f"error: {path}") and message in err[0], err
+    assert not (tmp_path / "curves.png").exists()
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("", "--out is empty"),
+        ("TMP", "--out TMP is a folder; give the PNG to write, e.g. --out TMP/curves.png"),
+        ("TMP/no/such/curves.png", "--out TMP/no/such/curves.png: the folder TMP/no/such does not exist"),
+        ("TMP/curves.xyz", "--out TMP/curves.xyz: Format 'xyz' is not supported"),
+    ],
+)
+def test_odd_out_paths_are_one_sentence_and_exit_2(tmp_path, capsys, out, message):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra; CI installs it")
+    write_metrics(tmp_path / "run" / "metrics.jsonl")
+    with pytest.raises(SystemExit) as exit_:
+        plot.main([str(tmp_path / "run"), "--out", out.replace("TMP", str(tmp_path))])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and message.replace("TMP", str(tmp_path)) in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_summary_values_of_another_kind_are_no_facts():
+    summary = {"params": "many", "val_loss": "low", "plan": [1], "config": {"n_layer": "auto", "time_limit_min": None}}
+    assert plot.run_facts(summary) == {}
+    assert plot.run_facts({"model": 5, "plan": {"model": "l4w128", "train_s": float("nan")}}) == {"shape": "l4w128"}
+
+
+def test_a_flag_argparse_cannot_read_is_one_sentence_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        plot.main([])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: the following arguments are required: runs"]

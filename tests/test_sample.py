@@ -188,3 +188,81 @@ def test_sample_imports_only_model_and_eval_of_ours():
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module.split(".")[0])
     assert imported & ours == {"eval"}  # eval.py imports model.py alone: the organizers' view
+
+
+# ----------------------------------------------------------------------------- odd flags and files (issue 26, class 7)
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    """(folder, model): a tiny GPT with every weight random, saved as random.pt, and its twin with a NaN weight."""
+    folder = tmp_path_factory.mktemp("random")
+    torch.manual_seed(0)
+    model = get_model(CONFIG)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    torch.save({"model": model.state_dict(), "config": CONFIG}, folder / "random.pt")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"][3, 0] = float("nan")
+    torch.save({"model": state, "config": CONFIG}, folder / "nan.pt")
+    (folder / "a_folder").mkdir()
+    (folder / "binary").write_bytes(bytes(range(128, 256)))  # not UTF-8
+    return folder, model
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--top_k", "-1"], "--top_k must be an integer >= 0 (0: every token), got -1."),
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0: greedy), got nan."),
+        (["--temperature", "inf"], "--temperature must be a finite number >= 0 (0: greedy), got inf."),
+        (["--temperature", "-0.5"], "--temperature must be a finite number >= 0 (0: greedy), got -0.5."),
+        (["--max_new_tokens", "-1"], "--max_new_tokens must be an integer >= 0, got -1."),
+        (["--num_samples", "0"], "--num_samples must be an integer >= 1, got 0."),
+        (["--seed", "-1"], "--seed must be an integer in [0, 2**64), got -1."),
+        (["--seed", str(2**64)], f"--seed must be an integer in [0, 2**64), got {2**64}."),
+        (["CKPT=a_folder"], "a_folder is a folder, not a file."),
+        (["CKPT=binary"], "is not a readable torch checkpoint"),
+        (["CKPT=nan.pt"], "nan.pt holds NaN or inf weights; there is nothing to sample from."),
+        (["--device", "tpu"], "--device tpu is not a device name such as cpu, cuda or cuda:1."),
+        (["--device", "meta"], "--device meta is not a device this machine can run the model on."),
+        (["--tokenizer", "DIR/binary", "--prompt", "a"], "--tokenizer DIR/binary is not a SentencePiece .model file."),
+        (["--tokenizer", "DIR/a_folder", "--prompt", "a"], "--tokenizer DIR/a_folder is a folder, not a file."),
+        (
+            ["--tokenizer", "TOK", "--prompt", "FILE:DIR/a_folder"],
+            "--prompt file DIR/a_folder is a folder, not a file.",
+        ),
+        (["--tokenizer", "TOK", "--prompt", "FILE:DIR/binary"], "--prompt file DIR/binary is not UTF-8 text."),
+        *([] if torch.cuda.is_available() else [(["--device", "cuda:1"], "no CUDA device is visible")]),
+    ],
+)
+def test_odd_flags_and_files_are_one_sentence_and_exit_2(trained, random_model, capsys, flags, message):
+    folder, _ = random_model
+    checkpoint = folder / "random.pt"
+    if flags[0].startswith("CKPT="):
+        checkpoint, flags = folder / flags[0][len("CKPT=") :], flags[1:]
+    flags = [flag.replace("DIR", str(folder)).replace("TOK", str(trained[1])) for flag in flags]
+    with pytest.raises(SystemExit) as exit_:
+        sample.main([str(checkpoint), *(["--prompt_ids", "1,2"] if "--prompt" not in flags else []), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert message.replace("DIR", str(folder)) in err[0], err
+
+
+def test_a_temperature_too_small_to_divide_by_samples_the_top_token(random_model):
+    _, model = random_model
+    greedy = sample.generate(model, [1, 5], 8, temperature=0, num_samples=2)
+    assert torch.equal(sample.generate(model, [1, 5], 8, temperature=1e-45, num_samples=2), greedy)
+
+
+def test_samples_stay_within_the_ids_the_tokenizer_can_decode(trained, random_model, capsys):
+    _, tokenizer_path, tokenizer = trained
+    folder, model = random_model
+    pieces = tokenizer.get_piece_size()
+    assert pieces < CONFIG["vocab_size"]
+    hot = dict(temperature=5.0, top_k=0, num_samples=4, generator=torch.Generator().manual_seed(0))
+    assert sample.generate(model, [1], 30, **hot).max() >= pieces  # without the limit, undecodable ids come up
+    flags = ["--tokenizer", str(tokenizer_path), "--prompt", "the red", "--temperature", "5", "--top_k", "0"]
+    samples = sample.main([str(folder / "random.pt"), *flags, "--max_new_tokens", "30", "--num_samples", "4"])
+    assert max(max(s) for s in samples) < pieces and "--- sample 4 ---" in capsys.readouterr().out

@@ -442,3 +442,64 @@ def test_hellaswag_end_to_end_with_a_real_sentencepiece_model(tmp_path):
     )
     assert result["hellaswag_examples"] == 8
     assert result["hellaswag_acc"] == 1.0 and result["hellaswag_acc_norm"] == 1.0
+
+
+# ----------------------------------------------------------------------------- bundle.py's OUT_DIR (issue 26, class 2)
+
+
+def source_copy(folder):
+    """The repo's modules copied into folder: the --src of cases that, gone wrong, would overwrite their sources."""
+    folder.mkdir()
+    for path in REPO.glob("*.py"):
+        shutil.copy(path, folder)
+    return folder
+
+
+def snapshot(folder):
+    """Every path under folder, with the bytes of the files: what a refused bundle must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize(
+    "cwd, out_dir, src, message",
+    [
+        (".", "src", "src", "OUT_DIR src would overwrite SRC/model.py, a source bundle.py reads"),
+        ("src", ".", ".", "OUT_DIR . would overwrite SRC/model.py"),
+        ("src", "", ".", "OUT_DIR is empty"),  # "" would be the working folder, here the sources
+        (".", "link_to_src", "src", "OUT_DIR link_to_src would overwrite SRC/model.py"),
+        (".", "src", "link_to_src", "OUT_DIR src would overwrite SRC/model.py"),
+        (".", "linked_train", "src", "OUT_DIR linked_train would overwrite SRC/train.py"),
+        (".", "a_file", "src", "OUT_DIR a_file is a file, not a folder"),
+        (".", "a_file/sub", "src", "OUT_DIR a_file/sub is under the file TMP/a_file, not a folder"),
+        (".", "holds_a_folder", "src", "OUT_DIR holds_a_folder holds model.py as a folder"),
+        (".", "out", "nowhere", "--src nowhere lacks checkpoint.py, plan.py"),
+    ],
+)
+def test_bundle_refuses_an_out_dir_that_is_not_a_separate_folder(
+    tmp_path, monkeypatch, capsys, cwd, out_dir, src, message
+):
+    source_copy(tmp_path / "src")
+    (tmp_path / "link_to_src").symlink_to(tmp_path / "src")
+    (tmp_path / "linked_train").mkdir()
+    (tmp_path / "linked_train" / "train.py").symlink_to(tmp_path / "src" / "train.py")
+    (tmp_path / "holds_a_folder" / "model.py").mkdir(parents=True)
+    (tmp_path / "a_file").write_text("not a folder\n")
+    before = snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path / cwd)
+    with pytest.raises(SystemExit) as exit_:
+        bundle.main([out_dir, "--src", src])
+    err = capsys.readouterr().err.strip().splitlines()
+    message = message.replace("SRC", str((tmp_path / "src").resolve())).replace("TMP", str(tmp_path))
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert snapshot(tmp_path) == before  # refused before anything was written
+
+
+def test_bundle_writes_into_a_new_or_an_existing_separate_folder_and_checks_it(tmp_path, capsys):
+    src = source_copy(tmp_path / "src")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "train.py").write_text("a stale bundle\n")
+    for out in (tmp_path / "new" / "deep", tmp_path / "old", src / "submission"):  # a subfolder of the repo too
+        bundle.main([str(out), "--src", str(src)])
+        assert (out / "model.py").read_bytes() == (src / "model.py").read_bytes()
+        bundle.main([str(out), "--src", str(src), "--check"])
+        assert capsys.readouterr().out.strip().endswith(f"{out} is up to date")

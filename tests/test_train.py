@@ -499,7 +499,10 @@ def test_bf16_gradient_reduce_matches_one_rank_within_bf16_rounding(ddp_setup, t
 # ----------------------------------------------------------------------------- 5. signals
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+STOPS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT]
+
+
+@pytest.mark.parametrize("signum", STOPS, ids=[s.name for s in STOPS])
 def test_signal_mid_run_finishes_the_step_saves_and_exits_0(tmp_path, token_dir, signum):
     args = ["--data_dir", str(token_dir), "--vocab_size", str(VOCAB), *TINY, *LONG_BUDGET]
     proc = subprocess.Popen(
