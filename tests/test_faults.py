@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -121,6 +122,7 @@ def synthetic_time_run(tmp_path, extra, budget_min=0.3):
     return ["--checkpoint_path", str(tmp_path / "checkpoint.pt"), *TINY, "--time_limit_min", str(budget_min), *extra]
 
 
+@pytest.mark.slow
 def test_periodic_validation_is_planned_so_the_decay_still_finishes(tmp_path):
     budget = 0.3 * 60
     args = synthetic_time_run(
@@ -133,6 +135,7 @@ def test_periodic_validation_is_planned_so_the_decay_still_finishes(tmp_path):
     assert 0.8 * budget < summary["train_s"] <= budget + step_seconds(rows) + 1.0
 
 
+@pytest.mark.slow
 def test_a_frozen_process_is_logged_as_a_stall_and_the_decay_still_finishes(tmp_path):
     budget = 0.3 * 60
     proc = subprocess.Popen(
@@ -173,6 +176,7 @@ def test_the_budget_ends_before_the_slurm_wall(tmp_path):
 # ----------------------------------------------------------------------------- bad data mid-run, full disk, two runs
 
 
+@pytest.mark.slow
 def test_sparse_bad_token_ids_are_skipped_counted_and_said_once(tmp_path):
     # 10 ids of 40000 in 600K tokens, placed where the start-up check's sample does not look (its slices are
     # seeded, so they are known): the start-up check passes them, and the loader must catch them as it reads
@@ -224,6 +228,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path, small_tmpfs):
     # the ~1.2 MB checkpoint fits in the 2 MB tmpfs once, but not beside its next version
     args = [
@@ -247,6 +252,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path
     assert load_checkpoint(small_tmpfs / "ck.pt")[1]["step"] == 0 and not list(small_tmpfs.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_path_is_refused_before_writing(tmp_path):
     args = [*TINY, "--val_tokens", "8192", "--time_limit_min", "10"]
     first = subprocess.Popen(
@@ -269,6 +275,7 @@ def test_a_second_run_on_the_same_path_is_refused_before_writing(tmp_path):
 # ----------------------------------------------------------------------------- a frozen rank
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_ends_the_job_after_the_collective_timeout(tmp_path, token_dir):
     args = [*on_tokens(token_dir), *TINY, "--time_limit_min", "10", "--collective_timeout_min", "0.1"]
     proc = subprocess.Popen(
@@ -330,6 +337,7 @@ def test_each_rank_finds_its_gpu_under_torchrun_and_under_one_gpu_per_task():
 # ----------------------------------------------------------------------------- class by class: stops, outputs, flags
 
 
+@pytest.mark.slow
 def test_a_launcher_killed_by_a_signal_it_does_not_forward_leaves_no_orphan_and_its_workers_save(tmp_path, token_dir):
     # SIGUSR1 (sbatch --signal) kills torchrun outright; its workers are then told to stop (PR_SET_PDEATHSIG)
     args = [*on_tokens(token_dir), *TINY, "--time_limit_min", "10"]
@@ -354,6 +362,7 @@ def test_a_launcher_killed_by_a_signal_it_does_not_forward_leaves_no_orphan_and_
     assert ckpt["step"] == summary["steps"] > 0
 
 
+@pytest.mark.slow
 def test_a_stop_inside_a_long_accumulation_is_honoured_between_micro_steps(tmp_path, token_dir):
     # 640 micro-batches a step: a step takes ~15-25 s here, a micro-step ~30 ms
     args = [*on_tokens(token_dir), *SHAPE, "--seq_len", "32", "--micro_batch", "8", "--batch_tokens", str(640 * 256)]
@@ -551,6 +560,7 @@ def test_a_val_file_that_is_a_training_file_or_its_copy_is_warned_about(tmp_path
     assert training_twin(tmp_path / "other" / "chunk_0001.bin", token_dir) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damaged", ["one", "all"])
 def test_data_truncated_under_a_running_job_is_skipped_or_ends_it_with_the_weights_saved(tmp_path, damaged):
     folder = tmp_path / "tokens"
@@ -577,3 +587,54 @@ def test_data_truncated_under_a_running_job_is_skipped_or_ends_it_with_the_weigh
     assert summary["stop_reason"] == ("signal" if damaged == "one" else "data") and summary["steps"] > 0
     _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     assert ckpt["step"] == summary["steps"]
+
+
+# ----------------------------------------------------------------------------- the launcher never hangs silently
+
+
+def fake_slurm(tmp_path, env_extra):
+    """Run submit_slurm.sh as the batch step on this host, with scontrol and srun stubs: (process, srun's argv)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nhostname -s\n")
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/srun_args\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {
+        **child_env(),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "CPU": "1",
+        "DATA_DIR": "",
+        **env_extra,
+    }
+    script = Path(__file__).resolve().parents[1] / "submit_slurm.sh"
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    args = (tmp_path / "srun_args").read_text().split("\n") if (tmp_path / "srun_args").exists() else []
+    return proc, args
+
+
+def test_a_busy_rendezvous_port_is_moved_off_or_refused_and_the_rendezvous_is_bounded(tmp_path):
+    import socket
+
+    holder = socket.socket()
+    try:
+        holder.bind(("", 29500))
+    except OSError:
+        pass  # someone else holds it: busy either way
+    holder.listen()
+    try:
+        proc, args = fake_slurm(tmp_path, {})
+        assert proc.returncode == 0, proc.stderr
+        assert "port 29500 is in use" in proc.stdout
+        endpoint = next(a for a in args if a.startswith("--rdzv_endpoint="))
+        assert not endpoint.endswith(":29500") and "--rdzv_conf=join_timeout=120" in args
+        given = tmp_path / "given"  # a port the user chose: refused, not moved
+        given.mkdir()
+        proc, args = fake_slurm(given, {"RDZV_PORT": "29500"})
+        assert proc.returncode == 2 and "RDZV_PORT 29500 is in use" in proc.stderr and not args
+    finally:
+        holder.close()

@@ -158,6 +158,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_steps_match_single_process_and_agree_across_ranks(world_size):
     # 7 matrices: more matrices than ranks; world_size - 1 matrices: a rank owns nothing.

@@ -137,6 +137,7 @@ def test_bundled_train_runs_alone_with_organizer_flags_then_eval_py_scores_it(su
     assert result["val_loss"] < np.log(1024) - 1  # it learned the chain
 
 
+@pytest.mark.slow
 def test_bundled_train_matches_repo_train_step_for_step(submission, token_dir, tmp_path):
     flags = ["--data_dir", token_dir, "--max_steps", "4", "--time_limit_min", "60", *TINY]
     (tmp_path / "repo").mkdir()

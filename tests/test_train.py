@@ -121,6 +121,7 @@ def step_seconds(rows):
 # ----------------------------------------------------------------------------- 1. learns the synthetic data
 
 
+@pytest.mark.slow
 def test_synthetic_default_learns_down_to_near_the_entropy_floor(tmp_path):
     # step-keyed, so the result is the same however loaded the machine is. Measured: val 2.32 at 400 steps
     # (floor 1.727, ln 1024 = 6.93; 250 steps gave 2.60, 150 gave 3.06), ~8 s of training on one core.
@@ -205,6 +206,7 @@ def test_organizer_flags_decay_to_the_floor_inside_the_time_budget(tmp_path, tok
     assert wall <= startup + budget + step_seconds(rows) + 5.0, (wall, startup)
 
 
+@pytest.mark.slow
 def test_a_tight_max_steps_still_ends_on_the_clock_and_is_never_exceeded(tmp_path, token_dir):
     # 40 steps for 18 s: the plan raises tokens per step (and replans once from the measured step time) so the
     # time limit, not the step cap, ends the run; before the plan, this stopped at step 40 after a fraction of it
@@ -457,6 +459,7 @@ def checkpoint_logits(folder):
         return model(torch.from_numpy(windows.astype(np.int64)))[0]
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_accumulating_the_same_two_micro_batches(two_rank_run, single_rank_runs):
     # the same per-micro-batch gradients, summed in the same order (halving is exact): DDP's all-reduce and
     # Muon's split of the orthogonalisation across ranks must reproduce accumulation bit for bit
@@ -466,6 +469,7 @@ def test_two_ranks_equal_one_rank_accumulating_the_same_two_micro_batches(two_ra
     assert [k for k in two if not torch.equal(two[k], one[k])] == []
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank_with_the_double_batch(two_rank_run, single_rank_runs):
     # One mean over 2b windows sums in another order than two means over b, and AdamW (eps 1e-10) turns
     # noise-level gradients into +-0.4 lr steps, so single entries of rarely-hit embedding rows and scalars
@@ -477,6 +481,7 @@ def test_two_ranks_match_one_rank_with_the_double_batch(two_rank_run, single_ran
     assert (two_ranks - checkpoint_logits(single_rank_runs["b"])).abs().max() > 0.5
 
 
+@pytest.mark.slow
 def test_val_loss_is_a_token_mean_whatever_the_world_size_and_batch(two_rank_run, single_rank_runs):
     # identical parameters (see above), identical 2048 validation tokens: 2 ranks score 60 windows each in one
     # batch, 1 rank scores 120 windows in batches of 64 and 56; a mean of batch means weights these unequally
@@ -485,6 +490,7 @@ def test_val_loss_is_a_token_mean_whatever_the_world_size_and_batch(two_rank_run
     assert two == pytest.approx(one, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_gradient_reduce_matches_one_rank_within_bf16_rounding(ddp_setup, two_rank_run, single_rank_runs):
     # the default gradient all-reduce sends bf16 (half of fp32's bytes): after 6 steps the logits differ from the
     # bit-exact fp32 path by bf16 rounding only, far less than the half-data control differs
@@ -499,10 +505,14 @@ def test_bf16_gradient_reduce_matches_one_rank_within_bf16_rounding(ddp_setup, t
 # ----------------------------------------------------------------------------- 5. signals
 
 
-STOPS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT]
+# SIGTERM in the fast tier; the other ways a job is told to stop in the slow one
+STOPS = [
+    pytest.param(s, marks=[pytest.mark.slow] if s != signal.SIGTERM else [], id=s.name)
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
+]
 
 
-@pytest.mark.parametrize("signum", STOPS, ids=[s.name for s in STOPS])
+@pytest.mark.parametrize("signum", STOPS)
 def test_signal_mid_run_finishes_the_step_saves_and_exits_0(tmp_path, token_dir, signum):
     args = ["--data_dir", str(token_dir), "--vocab_size", str(VOCAB), *TINY, *LONG_BUDGET]
     proc = subprocess.Popen(
@@ -529,6 +539,7 @@ def test_signal_mid_run_finishes_the_step_saves_and_exits_0(tmp_path, token_dir,
 # ----------------------------------------------------------------------------- 6. compile on 2 gloo ranks
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_with_compile_and_bf16_stop_on_the_clock_and_load(tmp_path, token_dir):
     # per-block compile, bf16 autocast, bf16 gradient reduce, on the clock: inductor on CPU takes ~20-40 s cold
     args = [
@@ -612,6 +623,7 @@ def test_event_depth_compiles_the_planned_graphs_once_and_validation_adds_none(t
     assert summary["val_batches"] == 8 and math.isfinite(summary["val_loss"])  # 7 of 4 windows and one of 2
 
 
+@pytest.mark.slow
 def test_a_compiler_that_fails_at_the_first_step_is_said_once_and_the_run_goes_on_eagerly(tmp_path, token_dir):
     env = {**child_env(), "CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     args = [*event_depth_args(token_dir, "--max_steps", "4", *LONG_BUDGET)]
