@@ -384,7 +384,7 @@ def check_outputs(hp, say):
     for flag in ("checkpoint_path", "metrics_path"):
         path = getattr(hp, flag)
         if not path.strip():
-            raise ValueError(f"--{flag} is empty; name a file, e.g. --{flag} {DEFAULT_NAMES[flag]}")
+            raise ValueError(f"--{flag} is empty; name a file")
         real = os.path.realpath(path)
         if real in inputs:
             raise ValueError(f"--{flag} {path} is the input file {inputs[real]}; writing it would destroy it")
@@ -399,9 +399,6 @@ def check_outputs(hp, say):
             f"--metrics_path and --checkpoint_path are both {resolved['metrics_path']}; each needs its own file"
         )
     return dataclasses.replace(hp, **resolved)
-
-
-DEFAULT_NAMES = {"checkpoint_path": "checkpoint.pt", "metrics_path": "metrics.jsonl"}
 
 
 def slurm_end_time():
