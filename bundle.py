@@ -10,7 +10,7 @@ model.py is copied byte for byte (the organizers import it alone). The modules o
 its own code, each after the ones it imports: its docstring as a comment block (muon.py's distributed contract is
 what a reader of the submission needs), its imports merged into one block at the top, and of its code only what a
 training run can reach: the top-level definitions that train.py's code names, directly or through other kept
-code. So data.py's CLI and synthetic-data writer stay behind. A top-level name bound in two files is an error.
+code. So data_cli.py and synthetic.py's writer stay behind. A top-level name bound in two files is an error.
 tests/test_ship.py checks that the bundle trains step for step like the repo.
 """
 
@@ -19,7 +19,8 @@ import ast
 import pathlib
 import sys
 
-PASTED = ["checkpoint", "plan", "data", "muon", "launch"]  # each after the modules it imports
+# each after the modules it imports
+PASTED = ["checkpoint", "clock", "plan", "windows", "shards", "synthetic", "prefetch", "data", "muon", "launch"]
 SHIPPED = "model"  # next to train.py, so its imports stay
 REQUIREMENTS = ["torch", "numpy", "tqdm"]
 

@@ -34,6 +34,10 @@ import torch.nn.functional as F
 
 from model import get_model
 
+# The token-file format (raw little-endian uint16, no header): a deliberate copy of windows.TOKEN_DTYPE, since eval.py
+# runs beside model.py alone (the organizers' folder, the bundled submission) and imports nothing else of ours.
+TOKEN_DTYPE = np.dtype("<u2")
+
 
 def user_file(path, what):
     """path, if it names a file; else one sentence naming the flag (what) and the path."""
@@ -116,11 +120,11 @@ def read_tokens(path, max_tokens, tail=False):
     n_bytes = path.stat().st_size
     if n_bytes == 0:
         raise ValueError(f"--data {path} is empty (0 bytes).")
-    if n_bytes % 2:
+    if n_bytes % TOKEN_DTYPE.itemsize:
         raise ValueError(f"--data {path} has an odd size ({n_bytes} bytes), so it is not a file of uint16 tokens.")
-    count = min(max_tokens, n_bytes // 2)
-    offset = n_bytes - 2 * count if tail else 0
-    tokens = np.fromfile(path, dtype="<u2", count=count, offset=offset).astype(np.int64)
+    count = min(max_tokens, n_bytes // TOKEN_DTYPE.itemsize)
+    offset = n_bytes - count * TOKEN_DTYPE.itemsize if tail else 0
+    tokens = np.fromfile(path, dtype=TOKEN_DTYPE, count=count, offset=offset).astype(np.int64)
     where = f"{'last' if tail else 'first'} {count:,} tokens of {path}"
     return torch.from_numpy(tokens), where
 

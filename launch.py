@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import get_model, model_config
-from data import SYNTH_STATES, BatchLoader, find_token_files, load_token_data, val_batches
+from data import SYNTH_STATES, BatchLoader, Deal, WindowSpec, find_token_files, load_token_data, val_batches
 from muon import all_gather_flat, build_optimizers
 from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
 from checkpoint import CheckpointError, Checkpointer, check_writable
@@ -34,7 +34,7 @@ from checkpoint import CheckpointError, Checkpointer, check_writable
 class Run:
     """Everything the loop reads, built and checked before the clock."""
 
-    hp: object  # train.Hyperparameters; "auto" resolved by resolve(), except what the plan holds
+    hp: object  # train.Hyperparameters, resolved: no "auto" left (None where the plan decided)
     plan: RunPlan
     budget_s: float
     rank: int
@@ -59,20 +59,8 @@ def launch(hp, model_switches, stop_signal, say):
         rank, world, local_rank = launcher_env(os.environ)
     except ValueError as e:
         fail(f"error: {e}")
-    cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cpu")
-    if cuda:
-        try:
-            device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
-        except ValueError as e:
-            fail(f"error: {e}")
-        torch.cuda.set_device(device)
-    else:
-        keep_freed_memory()
-    if world > 1:
-        timeout = datetime.timedelta(minutes=hp.collective_timeout_min)
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
-    hp = resolve(hp, device)
+    hp = resolve(hp, world)
+    device = init_device(hp, local_rank, world)
     budget_s = training_budget(hp, rank, device, world, say)  # first: the plan is made for the budget the run gets
     hp, data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, budget_s, say)
     raw_model, model, optimizers = build_model(hp, plan, model_switches, device, world)
@@ -98,24 +86,42 @@ def launch(hp, model_switches, stop_signal, say):
     if world > 1:
         warm_collectives(device)  # ends in a barrier: every rank starts its clock right after it
     return Run(
-        hp,
-        plan,
-        budget_s,
-        rank,
-        world,
-        device,
-        raw_model,
-        model,
-        optimizers,
-        loader,
-        val,
-        config,
-        checkpointer,
-        metrics,
-        stop_signal,
-        saved_unix,
-        say,
+        hp=hp,
+        plan=plan,
+        budget_s=budget_s,
+        rank=rank,
+        world=world,
+        device=device,
+        raw_model=raw_model,
+        model=model,
+        optimizers=optimizers,
+        loader=loader,
+        val=val,
+        config=config,
+        checkpointer=checkpointer,
+        metrics=metrics,
+        stop_signal=stop_signal,
+        step0_saved_unix=saved_unix,
+        say=say,
     )
+
+
+def init_device(hp, local_rank, world):
+    """This rank's device (its GPU, or the CPU), and the process group across ranks."""
+    cuda = hp.device == "cuda"
+    device = torch.device("cpu")
+    if cuda:
+        try:
+            device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+        except ValueError as e:
+            fail(f"error: {e}")
+        torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
+    if world > 1:
+        timeout = datetime.timedelta(minutes=hp.collective_timeout_min)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
+    return device
 
 
 def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
@@ -136,15 +142,10 @@ def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
         plan = build_plan(hp, model_switches, device, world, budget_s, say)
         loader = BatchLoader(
             data.train,
-            hp.seq_len,
+            WindowSpec(hp.seq_len, doc_aligned=hp.doc_aligned, bos_id=data.bos_id, vocab_size=hp.vocab_size),
             plan.micro_batch,
-            rank,
-            world,
-            seed=hp.seed,
+            Deal(rank, world, seed=hp.seed),
             device=device,
-            doc_aligned=hp.doc_aligned,
-            bos_id=data.bos_id,
-            vocab_size=hp.vocab_size,
         )
         metrics = lock_metrics(hp.metrics_path, say) if rank == 0 else None
         error = None
@@ -192,26 +193,29 @@ def build_model(hp, plan, model_switches, device, world):
     return raw_model, model, optimizers
 
 
-def resolve(hp, device):
-    """The run-independent "auto" values made concrete (the plan resolves the rest)."""
-    cuda = device.type == "cuda"
-    data_dir = hp.data_dir
-    if data_dir == "auto":
-        data_dir = "/home/data" if os.path.isdir("/home/data") else None
-    vocab = hp.vocab_size if hp.vocab_size != "auto" else (32000 if data_dir or hp.dry_run else SYNTH_STATES)
-    metrics = hp.metrics_path
-    if metrics == "auto":
-        metrics = os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl")
-    return dataclasses.replace(
-        hp,
-        data_dir=data_dir,
-        vocab_size=vocab,
-        metrics_path=metrics,
-        val_file=None if hp.val_file == "auto" else hp.val_file,
-        val_eval_tokens=hp.val_eval_tokens if hp.val_eval_tokens != "auto" else (hp.val_tokens if cuda else 65536),
-        compile=cuda if hp.compile == "auto" else hp.compile,
-        autocast=("bf16" if cuda else "none") if hp.autocast == "auto" else hp.autocast,
-    )
+def resolve(hp, world):
+    """The flags with every "auto" made concrete, once, for the run and for --dry_run: what each means on this machine
+    (a dry run with --peak_tflops plans a CUDA device that is not here), or None where the plan decides."""
+    cuda = hp.device == "cuda" or (hp.device != "cpu" and torch.cuda.is_available())
+    kind = "cuda" if cuda or (hp.dry_run and isinstance(hp.peak_tflops, float) and hp.device != "cpu") else "cpu"
+    home_data = "/home/data" if os.path.isdir("/home/data") else None
+    data_dir = {"auto": home_data}.get(hp.data_dir, hp.data_dir)
+    meaning = {
+        "data_dir": home_data,
+        "vocab_size": 32000 if data_dir or hp.dry_run else SYNTH_STATES,
+        "metrics_path": os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl"),
+        "val_file": None,
+        "val_eval_tokens": hp.val_tokens if kind == "cuda" else 65536,
+        "device": kind,
+        "compile": kind == "cuda",
+        "autocast": "bf16" if kind == "cuda" else "none",
+        "tokens_per_param": TOKENS_PER_PARAM[kind],
+        "auto_efficiency": AUTO_EFFICIENCY[kind],
+        "world_size": world,
+        "model": "auto",  # a plan.make_plan choice: the ladder picks
+    }  # the rest (shape, micro-batch, tokens per step, accumulation, peak rate, memory): None, the plan decides
+    given = dataclasses.asdict(hp)
+    return dataclasses.replace(hp, **{k: meaning.get(k) if v == "auto" else v for k, v in given.items()})
 
 
 def lock_metrics(path, say):
@@ -275,24 +279,23 @@ def build_plan(hp, model_switches, device, world, budget_s, say):
     """The run plan for budget_s seconds from this machine's measured speed, or from --peak_tflops/--world_size for a
     dry run. A plan that does not fit in memory is refused, one that fits too few steps for a schedule is said."""
     kind = device.type
-    world = hp.world_size if hp.dry_run and hp.world_size != "auto" else world
-    stated = hp.dry_run and hp.peak_tflops != "auto"
+    world = hp.world_size if hp.dry_run else world
+    stated = hp.dry_run and hp.peak_tflops is not None
     rate = hp.peak_tflops * 1e12 if stated else agreed_matmul_rate(device, world if dist.is_initialized() else 1)
-    if stated and hp.device_memory_gib == "auto":
+    if stated and hp.device_memory_gib is None:
         raise ValueError("--dry_run with --peak_tflops plans a device that is not here: give --device_memory_gib too")
-    memory = hp.device_memory_gib * 2**30 if hp.device_memory_gib != "auto" else device_memory(device)
-    shape = {k: getattr(hp, k) for k in ("n_layer", "n_head", "n_embd") if getattr(hp, k) != "auto"}
+    memory = hp.device_memory_gib * 2**30 if hp.device_memory_gib else device_memory(device)
+    shape = {k: getattr(hp, k) for k in ("n_layer", "n_head", "n_embd") if getattr(hp, k) is not None}
     if shape and hp.shape_flags == "ignore":
         say(f"ignoring shape flags {shape} (--shape_flags ignore): --model {hp.model} decides")
         shape = {}
     if shape:
         given = model_config(shape)  # model.py's defaults fill the shape flags not given, without building a model
         shape = {"n_layer": given.n_layer, "n_head": given.n_head, "n_embd": given.n_embd, **model_switches}
-    ratio = TOKENS_PER_PARAM[kind] if hp.tokens_per_param == "auto" else hp.tokens_per_param
     plan, table = make_plan(
         model=hp.model,
         shape=shape,
-        tokens_per_param=ratio,
+        tokens_per_param=hp.tokens_per_param,
         kind=kind,
         world_size=world,
         budget_s=budget_s,
@@ -300,24 +303,23 @@ def build_plan(hp, model_switches, device, world, budget_s, say):
         seq_len=hp.seq_len,
         vocab_size=hp.vocab_size,
         batch_size=hp.batch_size,
-        micro_batch=None if hp.micro_batch == "auto" else hp.micro_batch,
-        batch_tokens=None if hp.batch_tokens == "auto" else hp.batch_tokens,
+        micro_batch=hp.micro_batch,
+        batch_tokens=hp.batch_tokens,
+        ramp_frac=hp.ramp_frac,
         matmul_rate=rate,
-        efficiency=AUTO_EFFICIENCY[kind] if hp.auto_efficiency == "auto" else hp.auto_efficiency,
+        efficiency=hp.auto_efficiency,
         memory_bytes=memory,
         bf16=hp.autocast == "bf16",
     )
     if table:
-        say(
-            f"model auto: {rate / 1e12:.3g} TFLOP/s x efficiency {plan.efficiency} x {world} ranks x "
-            f"{hp.time_limit_min:g} min; want >= {ratio:g} tokens per block param"
-        )
-        for row in table:
-            say(
-                f"  {'->' if row.model == plan.model else '  '} {row.model:>9}: {row.block_params / 1e6:8.2f}M block "
-                f"params, {row.tokens / 1e9:9.4g}B tokens, {row.tokens_per_param:10.3g} tokens/param"
-                f"{'' if row.fits else ', does not fit in memory'}"
-            )
+        say_ladder(plan, table, hp, rate, world, say)
+    check_plan(plan, hp, memory, budget_s, say)
+    return plan
+
+
+def check_plan(plan, hp, memory, budget_s, say):
+    """A plan that does not fit in memory, or fits no step in the budget, is refused (said, for a dry run); one that
+    fits too few steps for a schedule is said."""
     if not plan.fits:
         message = (
             f"the plan needs {plan.memory_gib:.3g} GiB per device, more than the {memory / 2**30:.3g} GiB there is; "
@@ -339,9 +341,22 @@ def build_plan(hp, model_switches, device, world, budget_s, say):
             f"warning: the plan fits {plan.steps} step(s) of {plan.step_s:.3g} s in the {budget_s:.3g} s budget "
             f"(--max_steps {hp.max_steps}): too few to warm up, hold and decay; the last step runs at the floor LR"
         )
-    if hp.grad_accum_steps != "auto" and hp.grad_accum_steps != plan.grad_accum_steps:
+    if hp.grad_accum_steps not in (None, plan.grad_accum_steps):
         say(f"--grad_accum_steps {hp.grad_accum_steps} is derived by the plan: {plan.grad_accum_steps}")
-    return plan
+
+
+def say_ladder(plan, table, hp, rate, world, say):
+    """What --model auto weighed: every ladder shape, the one picked marked."""
+    say(
+        f"model auto: {rate / 1e12:.3g} TFLOP/s x efficiency {plan.efficiency} x {world} ranks x "
+        f"{hp.time_limit_min:g} min; want >= {hp.tokens_per_param:g} tokens per block param"
+    )
+    for row in table:
+        say(
+            f"  {'->' if row.model == plan.model else '  '} {row.model:>9}: {row.block_params / 1e6:8.2f}M block "
+            f"params, {row.tokens / 1e9:9.4g}B tokens, {row.tokens_per_param:10.3g} tokens/param"
+            f"{'' if row.fits else ', does not fit in memory'}"
+        )
 
 
 def training_twin(val_file, data_dir, head_bytes=1 << 20):

@@ -117,7 +117,7 @@ class HeadLoss(torch.autograd.Function):
 # float32 logits per head_loss chunk, at most. CPU: the (rows, C) @ (C, V) matmul gains up to ~500 rows (measured at
 # C = 128: 64 MB chunks take 0.88-0.95x the time of 16 MB ones, 4 MB ones 1.3x). CUDA: every chunk reads and writes
 # the float32 (V, C) weight gradient; at l16w1024, micro-batch 26, 512 MB chunks make 8 chunks (~3 GB of that
-# traffic per micro-step) where 64 MB ones made 51 (~20 GB; BENCHMARKS.md).
+# traffic per micro-step) where 64 MB ones made 51 (~20 GB; bench/records/2026-12-01-event-configuration.md).
 LOSS_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}
 
 
@@ -146,6 +146,10 @@ def head_loss(x, weight, targets, cap=0.0, rows=None, chunk_fn=chunk_loss):
     return HeadLoss.apply(x, weight, targets.long(), cap, rows, dtype, need_grad, chunk_fn)
 
 
+# Each switch's source and its effect here. "mnGPT #N": record N of github.com/KellerJordan/modded-nanogpt's world
+# record table. "Here": the 5-minute CPU ablation (l4w128, commit 4b2f1ef; BENCHMARKS.md, "Recipe variants at equal
+# wall-clock"): val loss with the switch changed minus the default's, so + means the default's choice scored better;
+# differences under ~0.05 nats are ties (seed noise 0.02-0.05).
 @dataclass
 class GPTConfig:
     vocab_size: int = 32000
@@ -154,18 +158,30 @@ class GPTConfig:
     n_head: int = 6
     n_embd: int = 768
     mlp_ratio: int = 4
+    # RMSNorm: Zhang & Sennrich 2019, arXiv:1910.07467; gain-free in mnGPT. Here: not measured (starter bundle only)
     norm: str = "rms"  # "rms" (no gains, cheapest) or "layer" (starter-style baseline)
+    # RoPE: Su et al. 2021 (RoFormer), arXiv:2104.09864; mnGPT #2. Here: not measured (the starter bundle only)
     pos: str = "rope"  # "rope" (any length) or "learned" (starter-style, T <= seq_len)
     rope_base: float = 10000.0
+    # QK-norm: Dehghani 2023, arXiv:2302.05442; Wortsman 2023, arXiv:2309.14322; mnGPT #5. Here: off -0.012 (tie)
     qk_norm: bool = True  # bounded attention logits: stable at the high LRs Muon wants
+    # ReLU^2: So et al. 2021 (Primer), arXiv:2109.08668; mnGPT #5. Here: gelu -0.096 (0.79M block params; GPU: re-test)
     mlp_act: str = "relu2"  # "relu2" (sparse, better per FLOP in speedruns) or "gelu"
+    # tanh soft-cap: Gemma 2, arXiv:2408.00118; mnGPT #9 (cap 30), #18 (15). Here: off -0.240 (CPU steps: 197 vs 134)
     logit_softcap: float = 15.0  # 0 disables; tanh cap keeps early logits from exploding
+    # value embeddings: mnGPT #14, U-net layout #15 (after Zhou et al. 2024, arXiv:2410.17897). Here: off +0.022
     value_embeds: bool = True  # token-indexed tables mixed into V of the first/last layers
+    # embedding shortcut (x0 lambdas): mnGPT #9. Here: off -0.016
     x0_mix: bool = True  # every block sees the embedding again: a shortcut for token identity
+    # learnable residual lambda: mnGPT #9 (lambdas[0], beside the x0 shortcut). Here: off -0.020
     resid_scale: bool = True  # learnable per-block residual scale
+    # U-Net skips: mnGPT #11 (after Ronneberger et al. 2015, arXiv:1505.04597). Here: off +0.046
     unet_skips: bool = True  # mirrored encoder->decoder skips with learnable weights
+    # zero-init projections (muP-like): mnGPT #5. Here: off -0.037
     zero_init_proj: bool = True  # blocks start as identity, so depth adds no early noise
+    # embedding RMS norm: mnGPT's F.rms_norm on wte (@Grad62304977). Here: off -0.068 (just outside the noise)
     embed_norm: bool = True  # RMS-normalise the embedding so its scale is not a free knob
+    # tying: Press & Wolf 2017, arXiv:1608.05859; mnGPT #8 untied them. Here: tied +0.003
     tie_embeddings: bool = False  # untied is better in speedruns; tied halves embedding params
 
 

@@ -25,6 +25,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from clock import STEP_HEADROOM, steps_between
 from model import get_model
 
 LADDER = [  # name, n_layer, n_head, n_embd: depth and width grow together, head size 64..128
@@ -46,7 +47,6 @@ TOKENS_PER_PARAM = {"cuda": 20.0, "cpu": 0.05}
 MIN_TOKENS_PER_STEP = {"cuda": 524288, "cpu": 2048}
 # GEMMs with this many rows already run at full speed; more would only cost activation memory
 MAX_MICRO_TOKENS = {"cuda": 32768, "cpu": 8192}
-STEP_HEADROOM = 0.9  # plan at most this fraction of --max_steps: a 10% faster device still ends on the clock
 PEAK_BF16_TFLOPS = {"B300": 2250, "B200": 2250, "H200": 989, "H100": 989, "A100": 312}  # dense, per GPU
 BYTES_PER_PARAM = 16  # fp32 weight + grad + two AdamW moments (Muon keeps one): the upper bound
 
@@ -62,9 +62,12 @@ class RunPlan:
     flops_per_token: float
     world_size: int
     seq_len: int
-    tokens_per_step: int  # global, per optimizer step
+    tokens_per_step: int  # global, per optimizer step (after the batch ramp, if any)
     micro_batch: int  # sequences per device per forward/backward
-    grad_accum_steps: int
+    grad_accum_steps: int  # after the ramp
+    start_accum: int  # the first step's: the recipe's batch when the cap binds and the ramp runs, else grad_accum_steps
+    ramp_frac: float  # fraction of the budget over which the accumulation grows from start_accum; 0: no ramp
+    ramp_steps: int  # forecast steps during the ramp
     step_s: float  # forecast seconds per optimizer step
     steps: int  # forecast optimizer steps (never above max_steps)
     tokens: int  # forecast training tokens
@@ -76,11 +79,19 @@ class RunPlan:
     efficiency: float
 
     def line(self):
+        ramp = ""
+        if self.start_accum < self.grad_accum_steps:
+            unit = self.tokens_per_step // self.grad_accum_steps
+            ramp = (
+                f" | ramp: {unit * self.start_accum:,} -> {self.tokens_per_step:,} tokens/step (accumulation "
+                f"{self.start_accum} -> {self.grad_accum_steps}) over the first {self.ramp_frac:.0%} of the budget "
+                f"(~{self.ramp_steps:,} steps), then {self.steps - self.ramp_steps:,} steps of {self.tokens_per_step:,}"
+            )
         return (
             f"{self.model} ({self.n_params / 1e6:.1f}M params) | {self.tokens_per_step:,} tokens/step = "
             f"{self.world_size} x {self.micro_batch} x {self.seq_len} x {self.grad_accum_steps} accum | forecast "
             f"{self.step_s * 1e3:.4g} ms/step x {self.steps:,} steps = {self.tokens / 1e9:.4g}B tokens in "
-            f"{self.train_s:.0f} s, {self.tokens_per_param:.3g} tokens/param, {self.memory_gib:.3g} GiB/device"
+            f"{self.train_s:.0f} s, {self.tokens_per_param:.3g} tokens/param, {self.memory_gib:.3g} GiB/device{ramp}"
         )
 
 
@@ -116,6 +127,42 @@ def memory_needed(costs, shape, micro_batch, seq_len, bf16):
     return costs["params"] * BYTES_PER_PARAM + micro_batch * seq_len * per_token
 
 
+def _micro_and_accum(costs, shape, seqs, *, kind, seq_len, batch_size, micro_batch, memory_bytes, bf16):
+    """(sequences per device per forward, accumulation) for seqs sequences per device per step."""
+    if micro_batch is None:
+        cap = max(1, MAX_MICRO_TOKENS[kind] // seq_len)
+        while cap > 1 and memory_needed(costs, shape, cap, seq_len, bf16) > memory_bytes:
+            cap //= 2
+        accum = math.ceil(seqs / max(cap, batch_size))
+        return max(batch_size, math.ceil(seqs / accum)), accum
+    return micro_batch, math.ceil(seqs / micro_batch)
+
+
+def late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps):
+    """The smallest accumulation a ramp from start_accum over ramp_frac of the budget can grow to while all its
+    steps fit in STEP_HEADROOM x max_steps."""
+    accum = start_accum
+    while steps_between(0.0, budget_s, unit_s, start_accum, accum, ramp_frac * budget_s) > STEP_HEADROOM * max_steps:
+        accum += 1
+    return accum
+
+
+def _step_batches(costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, ramp_frac, sizing):
+    """(micro-batch, first step's accumulation, accumulation after the ramp) for --batch_tokens, or for the recipe's
+    minimum raised so that the budget fits in STEP_HEADROOM x max_steps; when that cap binds and ramp_frac > 0, the
+    micro-batch is the recipe's batch and the ramp grows from it (late_accum)."""
+    kind, seq_len = sizing["kind"], sizing["seq_len"]
+    if batch_tokens is None:
+        batch_tokens = max(MIN_TOKENS_PER_STEP[kind], math.ceil(tokens_per_s * budget_s / (STEP_HEADROOM * max_steps)))
+        if ramp_frac and batch_tokens > MIN_TOKENS_PER_STEP[kind]:
+            recipe_seqs = math.ceil(MIN_TOKENS_PER_STEP[kind] / (world_size * seq_len))
+            micro_batch, start_accum = _micro_and_accum(costs, shape, recipe_seqs, **sizing)
+            unit_s = world_size * micro_batch * seq_len / tokens_per_s
+            return micro_batch, start_accum, late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps)
+    micro_batch, accum = _micro_and_accum(costs, shape, math.ceil(batch_tokens / (world_size * seq_len)), **sizing)
+    return micro_batch, accum, accum
+
+
 def _shape_plan(
     name,
     shape,
@@ -126,31 +173,28 @@ def _shape_plan(
     max_steps,
     seq_len,
     vocab_size,
-    batch_size,
-    micro_batch,
     batch_tokens,
+    ramp_frac,
     matmul_rate,
     efficiency,
     memory_bytes,
     bf16,
+    **micro,
 ):
     costs = shape_costs(shape, vocab_size, seq_len)
     fpt = costs["flops_per_token"]
     tokens_per_s = matmul_rate * efficiency * world_size / fpt
-    if batch_tokens is None:  # the budget fits in STEP_HEADROOM of --max_steps, and never below the recipe
-        batch_tokens = max(MIN_TOKENS_PER_STEP[kind], math.ceil(tokens_per_s * budget_s / (STEP_HEADROOM * max_steps)))
-    seqs = max(1, math.ceil(batch_tokens / (world_size * seq_len)))  # per device per step
-    if micro_batch is None:
-        cap = max(1, MAX_MICRO_TOKENS[kind] // seq_len)
-        while cap > 1 and memory_needed(costs, shape, cap, seq_len, bf16) > memory_bytes:
-            cap //= 2
-        accum = math.ceil(seqs / max(cap, batch_size))
-        micro_batch = max(batch_size, math.ceil(seqs / accum))
-    else:
-        accum = math.ceil(seqs / micro_batch)
+    sizing = dict(kind=kind, seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **micro)
+    micro_batch, start_accum, accum = _step_batches(
+        costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, ramp_frac, sizing
+    )
+    ramp = ramp_frac if batch_tokens is None else 0.0  # the clock ramps whenever a replan raises the batch too
     tokens_per_step = world_size * micro_batch * seq_len * accum
     step_s = tokens_per_step / tokens_per_s
-    steps = min(max_steps, int(budget_s / step_s))
+    steps_fit = steps_between(0.0, budget_s, step_s / accum, start_accum, accum, ramp * budget_s)
+    steps = min(max_steps, int(steps_fit))
+    train_s = budget_s - (steps_fit - steps) * step_s if steps < max_steps else steps * step_s
+    tokens = int(train_s * tokens_per_s) if ramp else steps * tokens_per_step
     memory = memory_needed(costs, shape, micro_batch, seq_len, bf16)
     return RunPlan(
         model=name,
@@ -163,11 +207,16 @@ def _shape_plan(
         tokens_per_step=tokens_per_step,
         micro_batch=micro_batch,
         grad_accum_steps=accum,
+        start_accum=start_accum,
+        ramp_frac=ramp,
+        ramp_steps=int(steps_between(0.0, ramp * budget_s, step_s / accum, start_accum, accum, ramp * budget_s))
+        if start_accum < accum
+        else 0,
         step_s=step_s,
         steps=steps,
-        tokens=steps * tokens_per_step,
-        train_s=steps * step_s,
-        tokens_per_param=steps * tokens_per_step / costs["block_params"],
+        tokens=tokens,
+        train_s=train_s,
+        tokens_per_param=tokens / costs["block_params"],
         memory_gib=memory / 2**30,
         fits=memory <= memory_bytes,
         matmul_tflops=matmul_rate / 1e12,
@@ -238,193 +287,3 @@ def device_memory(device):
     if device.type == "cuda":
         return 0.85 * torch.cuda.get_device_properties(device).total_memory  # headroom: allocator, NCCL
     return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU: shared with the data
-
-
-# ----------------------------------------------------------------------------- the clock
-
-
-def last_step(step, elapsed, budget_s, step_s, reserve_s, max_steps, planned_last):
-    """Index of the last step to run, or None to stop now: steps take step_s, and reserve_s of the time left goes
-    to planned validation. The planned steps end inside the budget; when none fits any more but the planned last
-    step has not run, it still starts inside the budget (and ends less than a step past it), so the run always
-    ends on its floor-LR step. No whole step of slack: with the organizers' step cap a step can be ~1/7 of the
-    budget."""
-    fit = int((budget_s - elapsed - reserve_s) / step_s)
-    if fit < 1:
-        return step if step <= planned_last and elapsed < budget_s - reserve_s else None
-    return min(max_steps - 1, step + fit - 1)
-
-
-def next_sync(step, last, step_s, log_every_s):
-    """The step of the next host sync: about every log_every_s, and at least twice more before the last step,
-    so a late slowdown still moves the plan."""
-    return step + max(1, min(int(log_every_s / step_s), (last - step) // 2))
-
-
-def progress(step, last, end_forecast_s, budget_s, max_steps, previous):
-    """Schedule progress of step (0-based): where the clock forecasts this step to end, or the step cap, whichever
-    is ahead; exactly 1 at the planned last step; never back. Time, not steps, so a slow stretch moves it smoothly."""
-    if step >= last:
-        return 1.0
-    return min(1.0, max(previous, end_forecast_s / budget_s, (step + 1) / max_steps))
-
-
-def corrected_accum(step, elapsed, budget_s, step_s, reserve_s, max_steps, accum):
-    """The accumulation whose whole steps, at the measured step time (assumed proportional to accumulation), fill
-    most of the rest of the budget within STEP_HEADROOM x max_steps, or None when the current one already fits.
-    With few steps left the rounding matters: 29 s and 5 steps of 0.5 s per accumulation take 11, not 10."""
-    remaining = budget_s - elapsed - reserve_s
-    available = max(int(STEP_HEADROOM * max_steps) - step, 1)
-    if int(remaining / step_s) <= available:
-        return None
-    smallest = math.ceil(accum * remaining / (step_s * (available + 1)))
-    while int(remaining / (step_s * smallest / accum)) > available:
-        smallest += 1
-
-    def used_s(new):
-        new_step_s = step_s * new / accum
-        return int(remaining / new_step_s) * new_step_s
-
-    return max(range(smallest, 2 * smallest + 1), key=used_s)
-
-
-# periodic validations together take at most VAL_SHARE of the budget, the final one FINAL_VAL_SHARE; before one is
-# measured, a validation token is forecast to cost VAL_TOKEN_COST training tokens (a forward is a third of the FLOPs,
-# run eagerly and unfused)
-VAL_SHARE = 0.1
-FINAL_VAL_SHARE = 0.25
-VAL_TOKEN_COST = 0.5
-
-
-class Clock:
-    """The loop's time keeping, fed at every host sync with numbers all ranks agree on, so they decide alike:
-    the steady step time (pauses taken out), what the periodic validations still to come may take, raising the
-    accumulation (in the first half, only upward) when the step cap would end the run before the budget, the last
-    step and the next sync. Pure arithmetic: unit-testable without sleeping."""
-
-    def __init__(
-        self,
-        budget_s,
-        max_steps,
-        accum,
-        log_every_s,
-        may_replan,
-        planned_step_s=None,
-        micro_tokens=1,
-        val_every_s=0.0,
-        val_until_s=0.0,
-        val_batches=0,
-        val_tokens=0,
-    ):
-        self.budget_s, self.max_steps, self.accum, self.log_every_s = budget_s, max_steps, accum, log_every_s
-        self.may_replan, self.micro_tokens, self.notes = may_replan, micro_tokens, []
-        self.planned_step_s = planned_step_s  # the plan's forecast, the step time before any is measured
-        self.val_every_s, self.val_until_s = val_every_s, val_until_s  # periodic validation stops at val_until_s
-        self.val_batches, self.val_tokens, self.val_token_s = val_batches, val_tokens, None
-        self.step_s, self.compile_s, self.last, self.sync_at = None, 0.0, max_steps - 1, 0
-        self.end_s = budget_s  # forecast end of training: the budget, or sooner when the step cap binds
-        self.prev_step, self.prev_elapsed, self.prev_paused = 0, 0.0, 0.0
-        self._said = set()
-
-    def _say_once(self, key, note):
-        if key not in self._said:
-            self._said.add(key)
-            self.notes.append(note)
-
-    def _val_batch_s(self):
-        """Forecast seconds of a validation batch: from the measured cost of a validation token or, before one is
-        measured, VAL_TOKEN_COST x a training token's."""
-        token_s = self.val_token_s or VAL_TOKEN_COST * self.step_s / (self.micro_tokens * self.accum)
-        return token_s * self.val_tokens / self.val_batches
-
-    def _val_count(self):
-        """Periodic validations the run is forecast to take."""
-        return max(1, int(min(self.val_until_s, self.end_s) / self.val_every_s))
-
-    def _batches_per_validation(self):
-        """(batches one periodic validation scores, its forecast seconds): the whole set, or as many batches as fit
-        in its share of the forecast training time."""
-        batch_s = self._val_batch_s()
-        batches = min(self.val_batches, int(VAL_SHARE * self.end_s / self._val_count() / batch_s))
-        return batches, batches * batch_s
-
-    def final_validation_batches(self):
-        """Batches the final validation scores: all of them, or at least one and as many as fit in FINAL_VAL_SHARE
-        of the budget (it runs after the clock, but before the job's wall)."""
-        if self.step_s is None and self.val_token_s is None:
-            return self.val_batches
-        batch_s = self._val_batch_s()
-        batches = max(1, min(self.val_batches, int(FINAL_VAL_SHARE * self.budget_s / batch_s)))
-        if batches < self.val_batches:
-            self.notes.append(
-                f"validation: the final one scores {batches} of {self.val_batches} batches (~{batches * batch_s:.2g} "
-                f"s), at most {FINAL_VAL_SHARE:.0%} of the budget; lower --val_eval_tokens to score them all"
-            )
-        return batches
-
-    def validation_batches(self, elapsed, last_val):
-        """How many validation batches to score now: 0 when none is due (or the step time is not measured yet, or
-        not even one batch fits in a validation's share of the budget)."""
-        due = self.val_every_s > 0 and elapsed - last_val >= self.val_every_s and elapsed < self.val_until_s
-        if not due or self.step_s is None or not self.val_batches:
-            return 0
-        batches, forecast_s = self._batches_per_validation()
-        if batches == 0:
-            self._say_once(
-                "skip",
-                f"validation: skipped; one batch would outlast a validation's share of the budget "
-                f"({VAL_SHARE:.0%} over {self._val_count()} validations); the final one still runs",
-            )
-        elif batches < self.val_batches:
-            self._say_once(
-                "shrink",
-                f"validation: {batches} of {self.val_batches} batches per periodic validation (~{forecast_s:.2g} s), "
-                f"so that together they take at most {VAL_SHARE:.0%} of the budget; the final one is planned apart",
-            )
-        return batches
-
-    def sync(self, step, elapsed, paused, val_token_s):
-        """Take the clock after `step` steps: elapsed and paused (validation, saves) seconds, and val_token_s, what a
-        validation token took (0 before the first validation). Returns the stop reason, or None to go on."""
-        steps = step - self.prev_step
-        interval = (elapsed - self.prev_elapsed - (paused - self.prev_paused)) / max(steps, 1)
-        if step == 1:
-            self.compile_s = elapsed  # the first step carries compilation and warm-up
-        elif step > 1 and steps:  # from step 1 on the step time is measured
-            if self.step_s is not None and interval > 3 * self.step_s:
-                self.notes.append(
-                    f"stall: {(interval - self.step_s) * steps:.1f} s lost between steps {self.prev_step} and {step}"
-                )
-            self.step_s = interval if self.step_s is None else 0.5 * self.step_s + 0.5 * interval
-        self.prev_step, self.prev_elapsed, self.prev_paused = step, elapsed, paused
-        self.val_token_s = val_token_s or self.val_token_s
-        if step >= self.max_steps:
-            return "max_steps"
-        reserve_s = 0.0
-        if self.val_every_s > 0 and self.step_s is not None:
-            future_vals = max(math.ceil((self.val_until_s - elapsed) / self.val_every_s), 0)
-            reserve_s = future_vals * self._batches_per_validation()[1]
-        if self.may_replan and self.step_s is not None and elapsed < self.budget_s / 2:
-            # the device is faster than the plan: accumulate more so the step cap does not end the run early
-            new = corrected_accum(step, elapsed, self.budget_s, self.step_s, reserve_s, self.max_steps, self.accum)
-            if new is not None:
-                self.notes.append(
-                    f"replan: {self.step_s * 1e3:.4g} ms/step measured; accumulation {self.accum} -> "
-                    f"{new} so the budget fits in --max_steps"
-                )
-                self.step_s, self.accum = self.step_s * new / self.accum, new
-        forecast_s = self.step_s or (self.planned_step_s if step == 0 else None) or max(elapsed, 1e-3) / max(step, 1)
-        planned = last_step(step, elapsed, self.budget_s, forecast_s, reserve_s, self.max_steps, self.last)
-        if planned is None:
-            return "time_limit" if step > 0 else None
-        self.last = planned  # before the first measured step, planned from the compile step: early, never late
-        if self.step_s is None:
-            self.sync_at = step + 1  # steps 0-1: compile time, then the first measured step
-        else:
-            self.sync_at = next_sync(step, self.last, self.step_s, self.log_every_s)
-            self.end_s = min(self.budget_s, elapsed + reserve_s + (self.last - step + 1) * self.step_s)
-        return None
-
-    def progress(self, step, previous):
-        end_forecast = self.prev_elapsed + (step - self.prev_step + 1) * (self.step_s or 0.0)
-        return progress(step, self.last, end_forecast, self.budget_s, self.max_steps, previous)

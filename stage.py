@@ -1,13 +1,13 @@
 """Stage to node-local disk only what this node's ranks can read, so the wall is not spent copying the whole data
 folder (at the event 49 files x 2 GB = 98 GB per node; the arithmetic is in README, "SLURM and several nodes").
 
-BatchLoader deals shuffled blocks of data.BLOCK_WINDOWS windows round-robin to the ranks, so each rank reads blocks
+BatchLoader deals shuffled blocks of shards.BLOCK_WINDOWS windows round-robin to the ranks, so each rank reads blocks
 scattered over every file. For a token budget (the run plan's tokens x --margin) this writes files of the same names
 and sizes (sparse: what is not staged is never written) holding, at their own offsets:
-- the blocks dealt first to each of this node's ranks, budget / world_size tokens' worth each (data.staged_blocks);
+- the blocks dealt first to each of this node's ranks, budget / world_size tokens' worth each (shards.staged_blocks);
 - the validation range, the last --val_tokens of the last file (unless --val_file names another file);
 - the slices the start-up check samples (data.sample_slices), so the staged folder passes the same check;
-and then data.STAGED_MANIFEST, from which BatchLoader deals only these blocks (and repeats them, with a warning, if
+and then shards.STAGED_MANIFEST, from which BatchLoader deals only these blocks (and repeats them, with a warning, if
 the run outgrows the budget): an unstaged range, which would read as zeros, is never read.
 
 This node's ranks: torchrun's c10d rendezvous numbers the nodes in the sorted order of their socket.getfqdn() names,
@@ -27,7 +27,8 @@ import socket
 import sys
 import time
 
-from data import BLOCK_WINDOWS, STAGED_MANIFEST, block_layout, find_token_files, sample_slices, staged_blocks
+from data import find_token_files, sample_slices
+from shards import BLOCK_WINDOWS, STAGED_MANIFEST, block_layout, staged_blocks
 from train import parse_args
 
 COPY_BYTES = 1 << 26  # one read and write at most; ranges are block-sized (131 KB at the event) or merged ones

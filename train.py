@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from model import GPTConfig
 from checkpoint import CheckpointError
-from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, Clock, peak_flops
+from clock import Clock
+from plan import AUTO_EFFICIENCY, MIN_TOKENS_PER_STEP, TOKENS_PER_PARAM, peak_flops
 from data import DataChanged
 from launch import build_plan, fail, launch, resolve
 
@@ -55,22 +56,25 @@ FRACTION = {"at_least": 0.0, "at_most": 1.0}
 LR = {"at_least": 0.0}  # finite; huge ones stay allowed: a diverging run is an experiment (tests make one)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Hyperparameters:
+    """The flags. As parsed, a flag not given holds "auto"; launch.resolve() returns them with every "auto" made
+    concrete in the annotated type (None: the plan decides), once, for the run and for --dry_run alike."""
+
     # --- the organizers' flag names, kept verbatim ---
-    data_dir: str = flag("auto", "chunk_*.bin token folder; auto: /home/data if present, else synthetic data")
+    data_dir: str | None = flag("auto", "chunk_*.bin token folder; auto: /home/data if present, else synthetic data")
     checkpoint_path: str = flag("checkpoint.pt", "written at start, every --save_every_min, on SIGTERM and at the end")
     seq_len: int = flag(1024, "training window in tokens", **POSITIVE)
-    vocab_size: str = flag(
+    vocab_size: int = flag(
         "auto", "auto: 32000 for token files, 1024 for the synthetic data", int, at_least=2, at_most=65536
     )
-    n_layer: str = flag(
+    n_layer: int | None = flag(
         "auto", "shape flag; auto: from --model (given shape flags win, see --shape_flags)", int, **POSITIVE
     )
-    n_head: str = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
-    n_embd: str = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
+    n_head: int | None = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
+    n_embd: int | None = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
     batch_size: int = flag(8, "the floor of the micro-batch (sequences per device per forward)", **POSITIVE)
-    grad_accum_steps: str = flag(
+    grad_accum_steps: int | None = flag(
         "auto", "derived by the plan from tokens per step; a given value is ignored", int, **POSITIVE
     )
     max_steps: int = flag(1_000_000, "never exceeded; tokens per step grow so the budget fits in 90% of it", **POSITIVE)
@@ -80,29 +84,40 @@ class Hyperparameters:
     shape_flags: str = flag(
         "win", "win: --n_layer/--n_head/--n_embd override --model; ignore: --model decides", choices=("win", "ignore")
     )
-    tokens_per_param: str = flag(
+    tokens_per_param: float = flag(
         "auto", f"what --model auto wants; auto: per device {TOKENS_PER_PARAM}", float, above=0.0
     )
-    auto_efficiency: str = flag(
+    auto_efficiency: float = flag(
         "auto", f"step speed / matmul rate; auto: per device {AUTO_EFFICIENCY}", float, above=0.0, at_most=1.0
     )
-    batch_tokens: str = flag(
+    batch_tokens: int | None = flag(
         "auto", "global tokens per step; auto: the recipe's minimum, or more (--max_steps)", int, **POSITIVE
     )
-    micro_batch: str = flag("auto", "sequences per device per forward; auto: as many as memory allows", int, **POSITIVE)
+    micro_batch: int | None = flag(
+        "auto", "sequences per device per forward; auto: as many as memory allows", int, **POSITIVE
+    )
+    ramp_frac: float = flag(
+        0.0,
+        "when --max_steps forces more tokens per step than the recipe's: start at the recipe's and grow them linearly "
+        "over this fraction of the budget (all steps still fit in the cap); 0: the forced batch throughout",
+        at_least=0.0,
+        below=1.0,
+    )
     dry_run: bool = flag(False, "print the plan and exit before any forward pass")
-    world_size: str = flag("auto", "with --dry_run: plan for this many devices; auto: this launch's", int, **POSITIVE)
-    peak_tflops: str = flag(
+    world_size: int = flag("auto", "with --dry_run: plan for this many devices; auto: this launch's", int, **POSITIVE)
+    peak_tflops: float | None = flag(
         "auto", "bf16 peak per device, for MFU (and the rate a dry run plans with)", float, above=0.0
     )
-    device_memory_gib: str = flag("auto", "per-device memory to plan with; auto: this device's", float, above=0.0)
+    device_memory_gib: float | None = flag(
+        "auto", "per-device memory to plan with; auto: this device's", float, above=0.0
+    )
     # --- data and evaluation ---
     metrics_path: str = flag("auto", "JSON-lines metrics; auto: metrics.jsonl beside the checkpoint")
-    val_file: str = flag("auto", "validation token file; auto: the last --val_tokens of the last data file")
+    val_file: str | None = flag("auto", "validation token file; auto: the last --val_tokens of the last data file")
     val_tokens: int = flag(
         1_048_576, "size of the held-out validation range (the same tokens on every run)", at_least=0, at_most=1 << 27
     )
-    val_eval_tokens: str = flag("auto", "validation tokens scored; auto: all on CUDA, 65536 on CPU", int, **POSITIVE)
+    val_eval_tokens: int = flag("auto", "validation tokens scored; auto: all on CUDA, 65536 on CPU", int, **POSITIVE)
     val_every_min: float = flag(
         0.0, "periodic validation until the decay, planned into the budget; 0: final only", at_least=0.0
     )
@@ -126,6 +141,12 @@ class Hyperparameters:
     embed_lr: float = flag(0.6, "AdamW LR of the embedding tables", **LR)
     head_lr: float = flag(0.008, "AdamW LR of the output head (and of a tied embedding)", **LR)
     scalar_lr: float = flag(0.04, "AdamW LR of gains and scalars", **LR)
+    lr_rule: str = flag(
+        "sqrt",
+        "sqrt: every LR x sqrt(tokens per step / the recipe's minimum) when the batch is larger (BENCHMARKS.md, "
+        "the step cap); none: the LRs as given",
+        choices=("none", "sqrt"),
+    )
     weight_decay: float = flag(0.0, "decoupled weight decay of matrices and tables", **LR)
     muon_momentum_start: float = flag(
         0.85, "Muon momentum at the start (early gradients are noisy)", at_least=0.0, below=1.0
@@ -134,7 +155,7 @@ class Hyperparameters:
     momentum_warmup_frac: float = flag(0.15, "fraction of the run over which Muon momentum warms up", **FRACTION)
     # --- device and runtime ---
     device: str = flag("auto", "auto (CUDA if present), cpu or cuda", choices=("auto", "cpu", "cuda"))
-    compile: str = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
+    compile: bool = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
     autocast: str = flag("auto", "bf16 or none; auto: bf16 on CUDA, none on CPU", choices=("auto", "bf16", "none"))
     grad_reduce: str = flag(
         "bf16", "dtype of the gradient all-reduce across ranks: bf16 (half the bytes) or fp32", choices=("bf16", "fp32")
@@ -160,7 +181,7 @@ def parse_args(argv=None):
     )
     for f in dataclasses.fields(Hyperparameters):
         kind, help_text = (
-            f.metadata["kind"] or f.type,
+            f.metadata["kind"] or (f.type if f.type in (int, float, bool) else str),
             f"{f.metadata['help']} (default: {f.default})".replace("%", "%%"),
         )
         if kind is bool:
@@ -294,12 +315,9 @@ def print_on_rank0(message):
 
 def dry_run(hp, model_switches, say):
     """The plan, printed: for this machine, or with --peak_tflops for a device that is not here."""
-    cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
-    kind = "cuda" if cuda or (hp.peak_tflops != "auto" and hp.device != "cpu") else "cpu"
-    hp = resolve(hp, torch.device(kind))
+    hp = resolve(hp, int(os.environ.get("WORLD_SIZE", 1)))
     try:
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        plan = build_plan(hp, model_switches, torch.device(kind), world, hp.time_limit_min * 60, say)
+        plan = build_plan(hp, model_switches, torch.device(hp.device), hp.world_size, hp.time_limit_min * 60, say)
     except ValueError as e:
         fail(f"error: {e}")
     say(plan.line())
@@ -327,110 +345,146 @@ def evaluate(model, batches, device, amp):
     return (stats[0] / stats[1].clamp(min=1)).item()
 
 
+def batch_lr_scale(step_tokens, hp, kind):
+    """The LR multiplier of a step of step_tokens: 1, or with --lr_rule sqrt the square-root rule for adaptive
+    optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms") against the
+    recipe's minimum batch, never below 1."""
+    if hp.lr_rule == "none":
+        return 1.0
+    return math.sqrt(max(step_tokens / MIN_TOKENS_PER_STEP[kind], 1.0))
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
-def train(run):
-    hp, plan, device = run.hp, run.plan, run.device
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if hp.autocast == "bf16" else nullcontext()
+@dataclass
+class LoopState:
+    """What the loop carries from step to step, and finish() reports."""
+
+    step: int = 0
+    tokens: int = 0
+    lr_frac: float = 0.0
+    paused: float = 0.0  # seconds on the clock spent validating and saving, on this rank
+    val_token_s: float = 0.0  # what a validation token took, once one validation ran
+    last_save: float = 0.0
+    last_val: float = 0.0
+    stop_reason: str | None = None
+    compile_fallback: str | None = None
+    train_s: float = 0.0
+    clock_start_unix: float = 0.0
+
+
+def make_clock(run):
+    hp, plan = run.hp, run.plan
     # periodic validation stops where the decay starts: the final one measures the end, and the decay runs unbroken
-    clock = Clock(
+    return Clock(
         run.budget_s,
         hp.max_steps,
         plan.grad_accum_steps,
         hp.log_every_s,
-        may_replan=hp.batch_tokens == "auto",
+        may_replan=hp.batch_tokens is None,
         planned_step_s=plan.step_s,
         micro_tokens=plan.micro_batch * hp.seq_len,
         val_every_s=hp.val_every_min * 60,
         val_until_s=run.budget_s * (1 - hp.decay_frac),
         val_batches=len(run.val),
         val_tokens=sum(y.numel() for _, y in run.val),
+        start_accum=plan.start_accum,
+        ramp_frac=plan.ramp_frac,
+        progress_by_steps=hp.progress_by == "steps",
     )
-    log = Logger(run, clock)
+
+
+def train(run):
+    amp = torch.autocast(run.device.type, dtype=torch.bfloat16) if run.hp.autocast == "bf16" else nullcontext()
+    clock = make_clock(run)
+    log, state = Logger(run, clock), LoopState()
+    loss_sum = torch.zeros((), device=run.device)
     gc.collect()
     gc.disable()  # a collection pause on one rank stalls all of them
-    loss_sum = torch.zeros((), device=device)
-    step, tokens, done, lr_frac, paused, val_token_s, last_save, last_val = 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    stop_reason = compile_fallback = None
     t0 = time.perf_counter()  # the clock starts right before the first forward pass, on every rank together
-    clock_start_unix = time.time()
+    state.clock_start_unix = time.time()
     while True:
-        if step >= clock.sync_at or step > clock.last:
-            # --- host sync: one all-reduce for the slowest rank's clock, its pauses and any stop signal ---
-            stats = torch.tensor(
-                [time.perf_counter() - t0, paused, val_token_s, float(bool(run.stop_signal))], device=device
-            )
-            mean_loss = loss_sum / max(step - clock.prev_step, 1)
-            if run.world > 1:
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
-            elapsed, paused_all, val_token_s_all, signalled = stats.tolist()
-            log.row(step, tokens, elapsed, lr_frac, mean_loss.item())
-            stop_reason = "signal" if signalled else clock.sync(step, elapsed, paused_all, val_token_s_all)
-            log.notes()
-            if run.rank == 0:
-                log.failed_save(wait=False)
-            if stop_reason:
+        if clock.due(state.step):
+            state.stop_reason = host_sync(run, clock, log, state, loss_sum, time.perf_counter() - t0, amp)
+            if state.stop_reason:
                 break
-            loss_sum.zero_()
-            pause_start = time.perf_counter()  # validation and saves: planned by the clock, not steps
-            if run.rank == 0 and hp.save_every_min > 0 and elapsed - last_save >= hp.save_every_min * 60:
-                log.failed_save()
-                run.checkpointer.save(run.raw_model, log.meta(step, tokens), background=True)
-                last_save = elapsed
-            if val_batches := clock.validation_batches(elapsed, last_val):
-                val_start = time.perf_counter()
-                val_loss = evaluate(run.raw_model, run.val[:val_batches], device, amp)
-                log.emit({"step": step, "elapsed_s": round(elapsed, 3), "tokens": tokens, "val_loss": val_loss})
-                val_tokens = sum(y.numel() for _, y in run.val[:val_batches])
-                val_token_s, last_val = (time.perf_counter() - val_start) / val_tokens, elapsed
-            paused += time.perf_counter() - pause_start
-
-        # --- one optimizer step ---
-        # the starter's way (progress_by steps) is blind to the clock: kept to measure what that costs
-        done = (step + 1) / hp.max_steps if hp.progress_by == "steps" else clock.progress(step, done)
-        lr_frac, momentum = schedule(done, hp)
-        for opt in run.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["base_lr"] * lr_frac
-                if "momentum" in group:
-                    group["momentum"] = momentum
-        try:
-            if step == 0 and hp.compile:
-                step_loss, compile_fallback = first_compiled_step(run, clock.accum, amp)
-            else:
-                step_loss = accumulate(
-                    run, clock.accum, amp, check_stop=run.world == 1 or (clock.step_s or 0.0) > STOP_CHECK_S
-                )
-        except DataChanged as e:  # the weights trained so far are saved, with one message
-            run.say(f"stopping: {e}")
-            step_loss, stop_reason = None, "data"
-        if step_loss is None:  # stopped between micro-steps: this step's gradients are dropped
-            run.model.zero_grad(set_to_none=True)
-            stop_reason = stop_reason or "signal"
+        step_loss = optimizer_step(run, clock, state, amp)
+        if step_loss is None:
             break
         loss_sum += step_loss
-        for opt in run.optimizers:
-            opt.step()
-        run.model.zero_grad(set_to_none=True)
-        step += 1
-        tokens += run.world * plan.micro_batch * hp.seq_len * clock.accum
+    state.train_s = time.perf_counter() - t0
     gc.enable()
     run.loader.close()
-    finish(
-        run,
-        log,
-        clock,
-        amp,
-        step,
-        tokens,
-        time.perf_counter() - t0,
-        lr_frac,
-        stop_reason,
-        clock_start_unix,
-        compile_fallback,
-    )
+    finish(run, log, clock, amp, state)
+
+
+def host_sync(run, clock, log, state, loss_sum, elapsed, amp):
+    """One all-reduce for the slowest rank's clock, its pauses and any stop signal; the metrics row, the clock's
+    decision, then what the clock plans into the pause: a background save, a validation. Returns the stop reason."""
+    stats = torch.tensor([elapsed, state.paused, state.val_token_s, float(bool(run.stop_signal))], device=run.device)
+    mean_loss = loss_sum / max(state.step - clock.prev_step, 1)
+    if run.world > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+    elapsed, paused_all, val_token_s_all, signalled = stats.tolist()
+    if state.step > clock.prev_step:
+        if not math.isfinite(mean_loss.item()):
+            return "non-finite loss"
+        log.row(state.step, state.tokens, elapsed, state.lr_frac, mean_loss.item())
+    stop_reason = "signal" if signalled else clock.sync(state.step, elapsed, paused_all, val_token_s_all)
+    log.notes()
+    if run.rank == 0:
+        log.failed_save(wait=False)
+    if stop_reason:
+        return stop_reason
+    loss_sum.zero_()
+    pause_start = time.perf_counter()  # validation and saves: planned by the clock, not steps
+    if run.rank == 0 and run.hp.save_every_min > 0 and elapsed - state.last_save >= run.hp.save_every_min * 60:
+        log.failed_save()
+        run.checkpointer.save(run.raw_model, log.meta(state.step, state.tokens), background=True)
+        state.last_save = elapsed
+    if val_batches := clock.validation_batches(elapsed, state.last_val):
+        val_start = time.perf_counter()
+        val_loss = evaluate(run.raw_model, run.val[:val_batches], run.device, amp)
+        log.emit({"step": state.step, "elapsed_s": round(elapsed, 3), "tokens": state.tokens, "val_loss": val_loss})
+        val_tokens = sum(y.numel() for _, y in run.val[:val_batches])
+        state.val_token_s, state.last_val = (time.perf_counter() - val_start) / val_tokens, elapsed
+    state.paused += time.perf_counter() - pause_start
+    return None
+
+
+def optimizer_step(run, clock, state, amp):
+    """One optimizer step at the clock's progress and accumulation: its mean loss, or None when it stopped between
+    micro-steps (its gradients dropped; state.stop_reason says why)."""
+    done, accum = clock.begin_step(state.step)
+    step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * accum
+    state.lr_frac, momentum = schedule(done, run.hp)
+    lr_scale = batch_lr_scale(step_tokens, run.hp, run.device.type)
+    for opt in run.optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * state.lr_frac * lr_scale
+            if "momentum" in group:
+                group["momentum"] = momentum
+    try:
+        if state.step == 0 and run.hp.compile:
+            step_loss, state.compile_fallback = first_compiled_step(run, accum, amp)
+        else:
+            check_stop = run.world == 1 or (clock.step_s or 0.0) > STOP_CHECK_S
+            step_loss = accumulate(run, accum, amp, check_stop=check_stop)
+    except DataChanged as e:  # the weights trained so far are saved, with one message
+        run.say(f"stopping: {e}")
+        step_loss, state.stop_reason = None, "data"
+    if step_loss is None:
+        run.model.zero_grad(set_to_none=True)
+        state.stop_reason = state.stop_reason or "signal"
+        return None
+    for opt in run.optimizers:
+        opt.step()
+    run.model.zero_grad(set_to_none=True)
+    state.step += 1
+    state.tokens += step_tokens
+    return step_loss
 
 
 # after step 0 a graph that training did not compile then runs eagerly: no recompile can stall the clock or hit
@@ -488,15 +542,23 @@ def first_compiled_step(run, accum, amp):
     return step_loss, None
 
 
-def finish(run, log, clock, amp, step, tokens, train_s, lr_frac, stop_reason, clock_start_unix, compile_fallback):
-    """After the clock: save first, then validate (a slow eval can never cost the checkpoint), then the summary."""
-    hp, device = run.hp, run.device
+def finish(run, log, clock, amp, state):
+    """After the clock: save first, then validate (a slow eval can never cost the checkpoint), then the summary.
+    A non-finite loss saves nothing: the last checkpoint keeps the last finite weights, and the exit code is 1."""
+    hp, device, step, tokens, train_s = run.hp, run.device, state.step, state.tokens, state.train_s
+    if state.stop_reason == "non-finite loss":
+        run.say(
+            f"stopping: non-finite training loss at step {step}; {hp.checkpoint_path} keeps the last finite weights"
+        )
+        log.emit({"step": step, "elapsed_s": round(train_s, 3), "error": "non-finite loss"})
+        run.checkpointer.wait()
+        sys.exit(1)
     saved = True
     if run.rank == 0:
         log.failed_save()
         try:
             run.checkpointer.save(run.raw_model, log.meta(step, tokens), background=False)
-            run.say(f"saved {hp.checkpoint_path} at step {step} ({stop_reason}) after {train_s:.1f}s")
+            run.say(f"saved {hp.checkpoint_path} at step {step} ({state.stop_reason}) after {train_s:.1f}s")
         except CheckpointError as e:
             run.say(f"error: the final save failed: {e}")
             saved = False
@@ -504,43 +566,50 @@ def finish(run, log, clock, amp, step, tokens, train_s, lr_frac, stop_reason, cl
     log.notes()
     val_loss = evaluate(run.raw_model, run.val[:val_batches], device, amp)
     log.emit({"step": step, "elapsed_s": round(train_s, 3), "tokens": tokens, "val_loss": val_loss})
-    first_clock = torch.tensor([clock_start_unix], device=device, dtype=torch.float64)
-    bad_windows = torch.tensor([run.loader.bad_windows], device=device)
-    if run.world > 1:
-        dist.all_reduce(first_clock, op=dist.ReduceOp.MIN)
-        dist.all_reduce(bad_windows)
-    summary = {
-        "summary": True,
-        "steps": step,
-        "tokens": tokens,
-        "train_s": round(train_s, 3),
-        "tokens_per_s": round(tokens / max(train_s, 1e-9)),
-        "compile_s": round(clock.compile_s, 3),
-        "compiled_graphs": compiled_graphs() if run.hp.compile else 0,
-        "planned_graphs": run.raw_model.compiled_graphs(run.plan.micro_batch * hp.seq_len, device.type)
-        if run.hp.compile
-        else 0,
-        "compile_fallback": compile_fallback,
-        "final_lr_frac": lr_frac,
-        "stop_reason": stop_reason,
-        "val_loss": val_loss,
-        "val_batches": val_batches,
-        "params": run.raw_model.num_params(),
-        "world_size": run.world,
-        "budget_s": round(run.budget_s, 3),
-        "time_limit_min": hp.time_limit_min,
-        "grad_accum_steps": clock.accum,
-        "bad_windows": bad_windows.item(),
-        "step0_saved_unix": run.step0_saved_unix,
-        "clock_start_unix": first_clock.item(),
-        "plan": dataclasses.asdict(run.plan),
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-    }
+    summary = summary_row(run, clock, state, val_loss, val_batches)
     log.emit(summary)
     run.say(json.dumps(summary))
     log.close()
     if not saved:
         sys.exit(1)
+
+
+def summary_row(run, clock, state, val_loss, val_batches):
+    """The final metrics row: what happened, beside the plan; clock start and bad windows agreed over ranks."""
+    first_clock = torch.tensor([state.clock_start_unix], device=run.device, dtype=torch.float64)
+    bad_windows = torch.tensor([run.loader.bad_windows], device=run.device)
+    if run.world > 1:
+        dist.all_reduce(first_clock, op=dist.ReduceOp.MIN)
+        dist.all_reduce(bad_windows)
+    return {
+        "summary": True,
+        "steps": state.step,
+        "tokens": state.tokens,
+        "train_s": round(state.train_s, 3),
+        "tokens_per_s": round(state.tokens / max(state.train_s, 1e-9)),
+        "compile_s": round(clock.compile_s, 3),
+        "compiled_graphs": compiled_graphs() if run.hp.compile else 0,
+        "planned_graphs": run.raw_model.compiled_graphs(run.plan.micro_batch * run.hp.seq_len, run.device.type)
+        if run.hp.compile
+        else 0,
+        "compile_fallback": state.compile_fallback,
+        "final_lr_frac": state.lr_frac,
+        "stop_reason": state.stop_reason,
+        "val_loss": val_loss,
+        "val_batches": val_batches,
+        "params": run.raw_model.num_params(),
+        "world_size": run.world,
+        "budget_s": round(run.budget_s, 3),
+        "time_limit_min": run.hp.time_limit_min,
+        "grad_accum_steps": clock.accum,
+        "bad_windows": bad_windows.item(),
+        "step0_saved_unix": run.step0_saved_unix,
+        "clock_start_unix": first_clock.item(),
+        "plan": dataclasses.asdict(run.plan),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(run.device) / 2**30, 2)
+        if run.device.type == "cuda"
+        else None,
+    }
 
 
 def compiled_graphs():
@@ -553,7 +622,7 @@ class Logger:
 
     def __init__(self, run, clock):
         self.run, self.clock = run, clock
-        self.peak = (run.hp.peak_tflops * 1e12 if run.hp.peak_tflops != "auto" else peak_flops(run.device)) * run.world
+        self.peak = (run.hp.peak_tflops * 1e12 if run.hp.peak_tflops else peak_flops(run.device)) * run.world
         self.bar = tqdm(total=round(run.budget_s), unit="s", disable=run.rank != 0, dynamic_ncols=True, mininterval=1.0)
         self.prev_tokens = 0
 
@@ -568,17 +637,7 @@ class Logger:
             self.run.metrics = None
 
     def row(self, step, tokens, elapsed, lr_frac, train_loss):
-        """The training row of a sync, if steps ran since the last one; a non-finite loss ends the run here."""
-        if step == self.clock.prev_step:
-            return
-        if not math.isfinite(train_loss):
-            self.run.say(
-                f"stopping: non-finite training loss at step {step}; {self.run.hp.checkpoint_path} keeps "
-                f"the last finite weights"
-            )
-            self.emit({"step": step, "elapsed_s": round(elapsed, 3), "error": "non-finite loss"})
-            self.run.checkpointer.wait()
-            sys.exit(1)
+        """The training row of a sync."""
         tok_s = (tokens - self.prev_tokens) / max(elapsed - self.clock.prev_elapsed, 1e-9)
         self.prev_tokens = tokens
         row = {
@@ -587,6 +646,7 @@ class Logger:
             "lr_frac": lr_frac,
             "train_loss": train_loss,
             "tokens": tokens,
+            "tokens_per_step": self.run.world * self.run.plan.micro_batch * self.run.hp.seq_len * self.clock.step_accum,
             "tokens_per_s": round(tok_s),
         }
         if self.peak:

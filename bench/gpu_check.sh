@@ -58,7 +58,7 @@ part 90 "CUDA paths: per-block compiled bf16 model vs eager, fused head, Muon in
 import math, sys, torch
 from model import get_model
 from muon import build_optimizers, zeropower_via_newtonschulz
-from data import BatchLoader, synthetic_tokens
+from data import BatchLoader, Deal, WindowSpec, synthetic_tokens
 dev = torch.device(sys.argv[1])
 layers, width, longest, ns_cols = map(int, sys.argv[2:])
 amp = torch.autocast(dev.type, dtype=torch.bfloat16)
@@ -81,7 +81,7 @@ s = torch.linalg.svdvals(zeropower_via_newtonschulz(torch.randn(8, ns_cols // 4,
 assert 0.5 < s.min() and s.max() < 1.3, (s.min().item(), s.max().item())
 opts = build_optimizers(m, muon_lr=0.05, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04)
 assert opts[1].defaults.get("fused") or dev.type != "cuda", "AdamW should be fused on CUDA"
-loader = BatchLoader([synthetic_tokens(1 << 20)], 256, 8, 0, 1, device=dev)
+loader = BatchLoader([synthetic_tokens(1 << 20)], WindowSpec(256), 8, Deal(0, 1), device=dev)
 x, y = next(loader)
 assert x.device.type == dev.type and torch.equal(x[:, 1:], y[:, :-1])
 loader.close()

@@ -25,6 +25,7 @@ SCRIPTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help(script):
     result = run(script, "--help")

@@ -1,24 +1,23 @@
-"""Tests for data.py: file checks, rank-disjoint shuffled batches, validation split, synthetic entropy, CLI."""
+"""Tests for data.py and the loader's parts (shards.py, windows.py, prefetch.py), synthetic.py and data_cli.py: file
+checks, the deal, rank-disjoint shuffled batches, validation split, synthetic entropy, CLI."""
 
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import data
-from data import (
-    BatchLoader,
-    _doc_window_starts,
-    check_token_files,
-    find_token_files,
-    load_token_data,
-    synthetic_entropy_nats,
-    synthetic_tokens,
-    val_batches,
-    write_synthetic,
-)
+import data_cli
+from data import BatchLoader, check_token_files, find_token_files, load_token_data, val_batches
+from shards import Deal, Shards, deal_blocks, staged_blocks
+from synthetic import synthetic_entropy_nats, synthetic_tokens, write_synthetic
+from windows import BOS_ID, WindowReader, WindowSpec, doc_window_starts
+from conftest import epoch0_windows, full_windows
 
 torch.set_num_threads(1)
 
@@ -36,23 +35,6 @@ def position_files(folder, sizes, first=2):
         write_tokens(folder / f"chunk_{i + 1:04d}.bin", arrays[-1])
         next_id += n
     return arrays
-
-
-def full_windows(x, y):
-    """(rows, seq_len + 1) windows from a batch, checking y is x shifted by one."""
-    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape
-    assert torch.equal(x[:, 1:], y[:, :-1])
-    return torch.cat([x, y[:, -1:]], dim=1).numpy()
-
-
-def epoch0_windows(loader):
-    """Every window a loader yields before its first wrap to epoch 1."""
-    windows = []
-    while True:
-        batch = next(loader)
-        if loader.epoch > 0:
-            return np.concatenate(windows)
-        windows.append(full_windows(*batch))
 
 
 # --- file checks -------------------------------------------------------------------------------------------
@@ -153,31 +135,32 @@ def test_sparse_bad_ids_pass_the_sample_and_fail_the_full_scan(tmp_path, capsys)
     with pytest.raises(ValueError, match=message):
         check_token_files(files, 32000, 127, full=True)
     with pytest.raises(SystemExit, match=message):
-        data.data_cli(["check", str(tmp_path), "--full", "--seq_len", "127"])
+        data_cli.main(["check", str(tmp_path), "--full", "--seq_len", "127"])
     stats = data._id_stats(data._file_chunks(files[0], chunk_tokens=1000), 32000)  # positions across reads
     assert stats["bad"] == 10 and stats["first_bad"] == (40000, positions[0]) and stats["seen"] == 1 << 21
 
 
-class RecordingLoader(BatchLoader):
-    """A BatchLoader that records the start of every block it reads."""
+def recorded_reads(monkeypatch):
+    """The start of every range a WindowReader reads from now on, in order."""
+    starts, read = [], WindowReader.read
 
-    def __init__(self, *args, **kwargs):
-        self.read_starts = []
-        super().__init__(*args, **kwargs)
+    def recording_read(self, index, start, end):
+        starts.append(start)
+        return read(self, index, start, end)
 
-    def _read(self, index, start, end):
-        self.read_starts.append(start)
-        return super()._read(index, start, end)
+    monkeypatch.setattr(WindowReader, "read", recording_read)
+    return starts
 
 
-def test_loader_drops_and_counts_windows_with_bad_ids_and_warns_once(tmp_path, capfd):
+def test_loader_drops_and_counts_windows_with_bad_ids_and_warns_once(tmp_path, capfd, monkeypatch):
     positions = sparse_bad_file(tmp_path)
     window, block = 128, 64 * 128
     arrays = [np.memmap(tmp_path / "chunk_0001.bin", dtype="<u2", mode="r")]
     all_windows = np.asarray(arrays[0]).reshape(-1, window)
     bad_windows = set((positions // window).tolist())
     good = np.delete(all_windows, sorted(bad_windows), axis=0)
-    with RecordingLoader(arrays, window - 1, 64, 0, 1, vocab_size=32000) as loader:
+    read_starts = recorded_reads(monkeypatch)
+    with BatchLoader(arrays, WindowSpec(window - 1, vocab_size=32000), 64, Deal(0, 1, block_windows=64)) as loader:
         served = []
         while loader.epoch == 0:  # through the batch that completes epoch 0 with epoch 1's first windows
             served.append(full_windows(*next(loader)))
@@ -185,11 +168,11 @@ def test_loader_drops_and_counts_windows_with_bad_ids_and_warns_once(tmp_path, c
     assert served.max() < 32000
     epoch0 = np.unique(served[: len(good)], axis=0)
     assert len(epoch0) == len(good) and np.array_equal(epoch0, np.unique(good, axis=0))  # every good window, once
-    read_bad = [w for start in loader.read_starts for w in bad_windows if start <= w * window < start + block]
+    read_bad = [w for start in read_starts for w in bad_windows if start <= w * window < start + block]
     assert loader.bad_windows == len(read_bad) >= len(bad_windows)  # the reading thread runs ahead into epoch 1
     warnings = capfd.readouterr().err.strip().splitlines()
     assert len(warnings) == 1, warnings
-    first = next(p for start in loader.read_starts for p in positions if start <= p < start + block)
+    first = next(p for start in read_starts for p in positions if start <= p < start + block)
     assert warnings[0] == (
         f"warning: rank 0: {arrays[0].filename} at token {first:,} holds id 40000 >= vocab_size "
         f"32000; every window holding such an id is skipped and counted (said once)."
@@ -215,7 +198,7 @@ def test_validation_is_the_tail_of_the_last_file_and_never_trained_on(tmp_path):
     assert [len(a) for a in data.train] == [6000, 5000, 2500]
     assert np.intersect1d(np.concatenate(data.train), data.val).size == 0
     assert data.bos_id is None and "last 1,500 tokens of chunk_0003.bin" in data.source
-    with BatchLoader(data.train, 63, 4, 0, 1, block_windows=4) as loader:
+    with BatchLoader(data.train, WindowSpec(63), 4, Deal(0, 1, block_windows=4)) as loader:
         assert np.intersect1d(epoch0_windows(loader), data.val).size == 0
 
     with pytest.raises(ValueError, match="chunk_0003.bin .*--val_tokens"):
@@ -236,8 +219,46 @@ def test_synthetic_default_data_is_deterministic():
     first = load_token_data(None, 32000, 255, val_tokens=10_000)
     second = load_token_data(None, 32000, 255, val_tokens=10_000)
     assert np.array_equal(first.train[0], second.train[0]) and np.array_equal(first.val, second.val)
-    assert len(first.val) == 10_000 and first.bos_id == data.BOS_ID and first.train[0][0] == data.BOS_ID
+    assert len(first.val) == 10_000 and first.bos_id == BOS_ID and first.train[0][0] == BOS_ID
     assert first.summary["entropy_floor_nats"] == synthetic_entropy_nats()
+
+
+# --- the deal (shards.py) -------------------------------------------------------------------------------------
+
+
+def hands(lengths, world_size, seed, epoch):
+    """Each rank's (array index, start, end) blocks of 4 windows of 16 tokens in epoch, each from its own Shards."""
+    deals = [Deal(rank, world_size, seed, block_windows=4) for rank in range(world_size)]
+    return [list(Shards(lengths, 15, deal).ranges(epoch)) for deal in deals]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_the_deal_gives_ranks_disjoint_blocks_each_once_per_epoch_the_same_on_every_call(world_size):
+    lengths = [50 * 64, 37 * 64 + 20, 7]  # 50 whole blocks; 37 and a short one; a file too short for any window
+    per_epoch = []
+    for epoch in range(3):
+        dealt = hands(lengths, world_size, 7, epoch)
+        assert dealt == hands(lengths, world_size, 7, epoch)  # the same on every call: no rank asks another
+        assert len({len(hand) for hand in dealt}) == 1  # the same count for every rank, the remainder dropped
+        blocks = [block for hand in dealt for block in hand]
+        assert len(blocks) == len(set(blocks)) == 88 // world_size * world_size  # disjoint, each block once
+        assert {index for index, _, _ in blocks} <= {0, 1} and {end - start for _, start, end in blocks} <= {64, 20}
+        for file in (0, 1):  # and disjoint token ranges, not just distinct ones
+            spans = sorted((start, end) for index, start, end in blocks if index == file)
+            assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+        # round-robin from one order: the ranks' k-th blocks are the k-th world_size blocks of the 1-rank deal (so
+        # 2 ranks with batch b see the windows of 1 rank with batch 2b: the premise of test_train's DDP comparisons)
+        interleaved = [hand[k] for k in range(len(dealt[0])) for hand in dealt]
+        assert interleaved == hands(lengths, 1, 7, epoch)[0][: len(blocks)]
+        per_epoch.append(blocks)
+    assert per_epoch[0] != per_epoch[1] != per_epoch[2]  # reshuffled every epoch
+    assert [block for hand in hands(lengths, world_size, 8, 0) for block in hand] != per_epoch[0]  # by the seed
+
+
+def test_staged_blocks_are_the_start_of_the_ranks_deal_over_epochs():
+    for count in (1, 10, 25, 60):  # 22 blocks a rank an epoch: 60 runs into a third epoch
+        dealt = np.concatenate([deal_blocks(89, 3, 4, 5, epoch) for epoch in range(3)])
+        assert np.array_equal(staged_blocks(89, 3, 4, 5, count), dealt[:count])
 
 
 # --- BatchLoader ----------------------------------------------------------------------------------------------
@@ -251,9 +272,8 @@ def test_ranks_read_disjoint_windows_once_per_epoch(tmp_path, world_size):
     per_rank = sum(blocks) // world_size
     seen = []
     for rank in range(world_size):
-        with BatchLoader(
-            arrays, window - 1, block_windows, rank, world_size, seed=7, block_windows=block_windows
-        ) as loader:
+        deal = Deal(rank, world_size, seed=7, block_windows=block_windows)
+        with BatchLoader(arrays, WindowSpec(window - 1), block_windows, deal) as loader:
             windows = epoch0_windows(loader)
         assert len(windows) == per_rank * block_windows
         assert np.all(np.diff(windows, axis=1) == 1)  # each window is one contiguous stretch of a file
@@ -267,7 +287,7 @@ def test_loader_is_deterministic_shuffled_and_wraps(tmp_path):
     arrays = position_files(tmp_path, [8000, 8000])
 
     def first_batches(seed, n=12):
-        with BatchLoader(arrays, 31, 8, 1, 2, seed=seed, block_windows=4) as loader:
+        with BatchLoader(arrays, WindowSpec(31), 8, Deal(1, 2, seed=seed, block_windows=4)) as loader:
             batches = [full_windows(*next(loader)) for _ in range(n)]
             return np.stack(batches), loader.epoch
 
@@ -276,7 +296,7 @@ def test_loader_is_deterministic_shuffled_and_wraps(tmp_path):
     assert not np.array_equal(same, first_batches(1)[0])
     assert not np.all(np.diff(same[:, :, 0].ravel()) > 0)  # not in file order
 
-    with BatchLoader(arrays, 31, 8, 0, 1, block_windows=4) as loader:
+    with BatchLoader(arrays, WindowSpec(31), 8, Deal(0, 1, block_windows=4)) as loader:
         epoch0 = epoch0_windows(loader)
         assert loader.epoch == 1  # ran past the data: a new epoch, not StopIteration
         epoch1 = np.concatenate([full_windows(*next(loader)) for _ in range(len(epoch0) // 8 - 1)])
@@ -289,7 +309,7 @@ def test_loader_reads_memmaps_at_their_offset(tmp_path):
     mapped = np.memmap(path, dtype="<u2", mode="r", offset=2 * 1000, shape=(8000,))  # read with pread
     sliced = np.memmap(path, dtype="<u2", mode="r")[3000:11_000]  # a view: read by slicing
     for array, first in ((mapped, 1002), (sliced, 3002)):
-        with BatchLoader([array], 31, 4, 0, 1, block_windows=4) as loader:
+        with BatchLoader([array], WindowSpec(31), 4, Deal(0, 1, block_windows=4)) as loader:
             windows = epoch0_windows(loader)
         assert windows.min() == first and windows.max() < first + 8000
         assert np.all(np.diff(windows, axis=1) == 1) and np.all((windows[:, 0] - first) % 32 == 0)
@@ -300,7 +320,7 @@ def test_prefetch_serves_its_depth_through_a_stalled_read(tmp_path, monkeypatch)
     # queued batches are served at once, and only a batch behind the stalled read waits (one read per batch)
     arrays = position_files(tmp_path, [100_000])
     stall, stalling, stalled = 1.0, [], []
-    read = BatchLoader._read
+    read = WindowReader.read
 
     def slow_read(self, *args):
         if stalling and not stalled:
@@ -308,8 +328,8 @@ def test_prefetch_serves_its_depth_through_a_stalled_read(tmp_path, monkeypatch)
             time.sleep(stall)
         return read(self, *args)
 
-    monkeypatch.setattr(BatchLoader, "_read", slow_read)
-    with BatchLoader(arrays, 31, 4, 0, 1, prefetch_tokens=25 * 4 * 31, block_windows=4) as loader:
+    monkeypatch.setattr(WindowReader, "read", slow_read)
+    with BatchLoader(arrays, WindowSpec(31), 4, Deal(0, 1, block_windows=4), prefetch_tokens=25 * 4 * 31) as loader:
         assert loader.depth == 25
         time.sleep(1.0)  # the queue fills in the background
         stalling.append(True)
@@ -327,7 +347,7 @@ def test_prefetch_serves_its_depth_through_a_stalled_read(tmp_path, monkeypatch)
 
 def test_served_batches_are_the_callers_own(tmp_path):
     arrays = position_files(tmp_path, [50_000])
-    with BatchLoader(arrays, 15, 4, 0, 1, block_windows=4) as loader:
+    with BatchLoader(arrays, WindowSpec(15), 4, Deal(0, 1, block_windows=4)) as loader:
         served = [(x, x.clone()) for x, _ in (next(loader) for _ in range(5 * (loader.depth + 2)))]
     assert all(torch.equal(x, at_serving) for x, at_serving in served)  # no ring slot reused under the caller
     assert len({x[0, 0].item() for x, _ in served}) == len(served)
@@ -338,10 +358,11 @@ def test_cuda_batches_survive_a_lagging_stream(tmp_path):
     """Pinned ring slots are refilled only after their host-to-device copy ran: the stream is kept busy so the
     copies run long after next() returned, while the reading thread races ahead through the ring."""
     arrays = position_files(tmp_path, [200_000])
-    with BatchLoader(arrays, 63, 8, 0, 1, block_windows=8) as on_cpu:
+    deal = Deal(0, 1, block_windows=8)
+    with BatchLoader(arrays, WindowSpec(63), 8, deal) as on_cpu:
         expected = [next(on_cpu)[0] for _ in range(40)]
     busy = torch.randn(2048, 2048, device="cuda")
-    with BatchLoader(arrays, 63, 8, 0, 1, device="cuda", prefetch_tokens=2 * 8 * 63, block_windows=8) as on_gpu:
+    with BatchLoader(arrays, WindowSpec(63), 8, deal, device="cuda", prefetch_tokens=2 * 8 * 63) as on_gpu:
         assert on_gpu._ring.is_pinned() and len(on_gpu._ring) == on_gpu.depth + 2 == 4
         served = []
         for _ in range(40):
@@ -362,7 +383,7 @@ def test_doc_window_starts_is_the_greedy_chain():
             if b >= end and b + window <= limit:
                 expected.append(b)
                 end = b + window
-        assert _doc_window_starts(bos, window, limit).tolist() == expected
+        assert doc_window_starts(bos, window, limit).tolist() == expected
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -371,18 +392,17 @@ def test_doc_aligned_windows_start_at_bos(tmp_path, world_size):
     n = 30_000
     tokens = np.arange(2, n + 2)  # distinct ids, except the BOS that overwrite document starts
     starts = np.cumsum(rng.integers(5, 60, n // 5))
-    tokens[starts[starts < n]] = data.BOS_ID
-    tokens[0] = data.BOS_ID
+    tokens[starts[starts < n]] = BOS_ID
+    tokens[0] = BOS_ID
     write_tokens(tmp_path / "chunk_0001.bin", tokens)
     arrays = [np.memmap(tmp_path / "chunk_0001.bin", dtype="<u2", mode="r")]
     seen = []
     for rank in range(world_size):
-        with BatchLoader(
-            arrays, 31, 8, rank, world_size, doc_aligned=True, bos_id=data.BOS_ID, block_windows=8
-        ) as loader:
+        spec = WindowSpec(31, doc_aligned=True, bos_id=BOS_ID)
+        with BatchLoader(arrays, spec, 8, Deal(rank, world_size, block_windows=8)) as loader:
             windows = epoch0_windows(loader)
-        assert np.all(windows[:, 0] == data.BOS_ID)
-        positions = np.where(windows == data.BOS_ID, -1, windows - 2)
+        assert np.all(windows[:, 0] == BOS_ID)
+        positions = np.where(windows == BOS_ID, -1, windows - 2)
         ids = windows[:, 1:2] - 3 + np.arange(32)  # position of each slot, from the token after the BOS
         assert np.all((positions == -1) | (positions == ids))  # contiguous stretches of the file
         seen.append(positions[positions >= 0])
@@ -391,13 +411,15 @@ def test_doc_aligned_windows_start_at_bos(tmp_path, world_size):
     assert len(positions) > 0.4 * n  # most tokens are used: only the gaps from a window end to the next BOS go
 
     with pytest.raises(ValueError, match="BOS"):
-        BatchLoader(arrays, 31, 8, 0, 1, doc_aligned=True, bos_id=None)
+        WindowSpec(31, doc_aligned=True, bos_id=None)
 
 
-def test_too_few_blocks_for_the_ranks(tmp_path):
+def test_too_few_blocks_for_the_ranks_or_a_rank_outside_the_world(tmp_path):
     arrays = position_files(tmp_path, [200])
     with pytest.raises(ValueError, match="fewer than the 4 ranks"):
-        BatchLoader(arrays, 31, 2, 0, 4)
+        BatchLoader(arrays, WindowSpec(31), 2, Deal(0, 4))
+    with pytest.raises(ValueError, match="rank 4 is outside world_size 4"):
+        Deal(4, 4)
 
 
 # --- validation batches ---------------------------------------------------------------------------------------
@@ -434,13 +456,13 @@ def conditional_entropy_nats(tokens):
 @pytest.mark.parametrize("n_successors, doc_len", [(8, 256), (3, 40)])
 def test_synthetic_entropy_matches_stated_rate(n_successors, doc_len):
     tokens = synthetic_tokens(1 << 20, n_states=256, n_successors=n_successors, doc_len=doc_len, seed=3)
-    assert tokens.dtype == np.uint16 and len(tokens) == 1 << 20 and tokens[0] == data.BOS_ID
+    assert tokens.dtype == np.uint16 and len(tokens) == 1 << 20 and tokens[0] == BOS_ID
     rate = synthetic_entropy_nats(n_successors, doc_len)
     assert conditional_entropy_nats(tokens) == pytest.approx(rate, abs=0.01)
     p_bos = 1 / doc_len
-    assert np.mean(tokens == data.BOS_ID) == pytest.approx(p_bos / (1 + p_bos), rel=0.05)
+    assert np.mean(tokens == BOS_ID) == pytest.approx(p_bos / (1 + p_bos), rel=0.05)
     assert len(np.unique(tokens)) <= 256
-    assert not np.any((tokens[1:] == data.BOS_ID) & (tokens[:-1] == data.BOS_ID))  # no empty documents
+    assert not np.any((tokens[1:] == BOS_ID) & (tokens[:-1] == BOS_ID))  # no empty documents
 
 
 def test_synthetic_is_deterministic_and_parts_differ(tmp_path):
@@ -457,15 +479,22 @@ def test_synthetic_is_deterministic_and_parts_differ(tmp_path):
 # --- CLI ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_synth_check_bench(tmp_path, capsys):
-    data.data_cli(["synth", str(tmp_path), "--tokens", "2e5", "--chunk_tokens", "1e5", "--n_states", "300"])
+    data_cli.main(["synth", str(tmp_path), "--tokens", "2e5", "--chunk_tokens", "1e5", "--n_states", "300"])
     assert [p.name for p in find_token_files(tmp_path)] == ["chunk_0001.bin", "chunk_0002.bin"]
-    data.data_cli(["check", str(tmp_path)])
+    data_cli.main(["check", str(tmp_path)])
     out = capsys.readouterr().out
     assert "ok: 2 files, 200,000 tokens" in out and ": detected" in out
-    data.data_cli(["bench", str(tmp_path), "--seq_len", "63", "--batch_size", "4", "--batches", "5", "--matmul", "32"])
+    data_cli.main(["bench", str(tmp_path), "--seq_len", "63", "--batch_size", "4", "--batches", "5", "--matmul", "32"])
     out = capsys.readouterr().out
     assert "tokens/s" in out and "with loader" in out
+    # the documented entry, `python data.py ...`, dispatches to data_cli.py
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, repo / "data.py", "check", tmp_path], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "ok: 2 files, 200,000 tokens" in done.stdout, done.stderr[-2000:]
     with pytest.raises(SystemExit, match="error: .*odd size"):
         (tmp_path / "chunk_0003.bin").write_bytes(b"\0" * 3001)
-        data.data_cli(["check", str(tmp_path)])
+        data_cli.main(["check", str(tmp_path)])

@@ -95,6 +95,7 @@ def test_good_checkpoint_still_evaluates(good_checkpoint):
     assert result["step"] == 3 and result["windows"] == 20 and np.isfinite(result["val_loss"])
 
 
+@pytest.mark.slow
 def test_bad_checkpoint_from_the_command_line_prints_no_traceback(good_checkpoint):
     bad = make_bad(good_checkpoint, "truncated")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -15,18 +15,7 @@ import torch
 
 import data
 
-from test_train import (
-    SHAPE,
-    TINY,
-    VOCAB,
-    child_env,
-    command,
-    first_row,
-    on_tokens,
-    read_metrics,
-    run_train,
-    step_seconds,
-)
+from conftest import SHAPE, TINY, VOCAB, child_env, command, first_row, on_tokens, read_metrics, run_train, step_seconds
 from eval import load_checkpoint
 
 # ----------------------------------------------------------------------- user errors: one sentence, nothing written
@@ -55,11 +44,7 @@ def missing_data_dir(tmp_path, token_dir):
     return ["--data_dir", str(tmp_path / "no_such_dir")], "--data_dir"
 
 
-CASES = {
-    "checkpoint is a folder": directory_checkpoint,
-    "checkpoint not writable": blocked_checkpoint,
-    "missing data": missing_data_dir,
-    "seq_len above the validation set": flagged("--val_tokens", "2000", "--seq_len", "4096"),
+FLAG_CASES = {  # caught by check_flags alone: run in-process below, and end to end in the slow tier
     "batch_size 0": flagged("--batch_size", "0"),
     "batch_size negative": flagged("--batch_size", "-3"),
     "n_head 0": flagged("--n_head", "0"),
@@ -72,9 +57,28 @@ CASES = {
     "warmup past the end": flagged("--warmup_frac", "1.5"),
 }
 if not torch.cuda.is_available():
-    CASES["cuda without a GPU"] = flagged("--device", "cuda")
+    FLAG_CASES["cuda without a GPU"] = flagged("--device", "cuda")
+CASES = {
+    "checkpoint is a folder": directory_checkpoint,
+    "checkpoint not writable": blocked_checkpoint,
+    "missing data": missing_data_dir,
+    "seq_len above the validation set": flagged("--val_tokens", "2000", "--seq_len", "4096"),
+    **FLAG_CASES,
+}
 
 
+@pytest.mark.parametrize("case", FLAG_CASES.values(), ids=FLAG_CASES.keys())
+def test_flag_errors_are_one_sentence_naming_the_flag(tmp_path, token_dir, case):
+    import train
+
+    args, flag = case(tmp_path, token_dir)
+    hp, _, _ = train.parse_args(args)
+    with pytest.raises(ValueError) as error:
+        train.check_flags(hp)
+    assert flag in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_user_errors_exit_2_in_one_sentence_before_anything_is_written(tmp_path, token_dir, case):
     args, flag = case(tmp_path, token_dir)
@@ -94,6 +98,7 @@ def test_user_errors_exit_2_in_one_sentence_before_anything_is_written(tmp_path,
 # ----------------------------------------------------------------------------- NaN: never saved
 
 
+@pytest.mark.slow
 def test_a_diverging_run_never_saves_non_finite_weights(tmp_path, token_dir):
     # without the soft-cap the logits are unbounded: these LRs overflow them within a few steps
     huge = ["--muon_lr", "1e6", "--embed_lr", "1e6", "--head_lr", "1e6", "--scalar_lr", "1e6", "--logit_softcap", "0"]
@@ -162,6 +167,7 @@ def test_a_frozen_process_is_logged_as_a_stall_and_the_decay_still_finishes(tmp_
     assert summary["train_s"] <= budget + step_seconds(rows) + 1.0
 
 
+@pytest.mark.slow
 def test_the_budget_ends_before_the_slurm_wall(tmp_path):
     env = {**child_env(), "SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(int(time.time()) + 40)}
     args = synthetic_time_run(tmp_path, ["--val_tokens", "8192", "--slurm_reserve_s", "25"], budget_min=10)
@@ -398,7 +404,7 @@ def outputs_hp(tmp_path, token_dir):
     import train
 
     hp, _, _ = train.parse_args(["--data_dir", str(token_dir), "--checkpoint_path", str(tmp_path / "ck.pt")])
-    return launch.resolve(hp, torch.device("cpu"))
+    return launch.resolve(hp, 1)
 
 
 OUTPUT_CASES = {
@@ -454,6 +460,7 @@ def test_a_symlinked_checkpoint_writes_its_target_and_says_so(outputs_hp, tmp_pa
     assert hp.checkpoint_path == str(tmp_path / "runs" / "ck.pt") and "symlink" in said[0]
 
 
+@pytest.mark.slow
 def test_checkpoint_path_naming_a_chunk_is_refused_end_to_end_and_the_chunk_is_kept(tmp_path, token_dir):
     chunk = token_dir / "chunk_0001.bin"
     before = chunk.read_bytes()
@@ -522,6 +529,7 @@ def test_rank_variables_without_a_launcher_are_one_sentence(env, words):
     assert launcher_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}) == (1, 2, 0)
 
 
+@pytest.mark.slow
 def test_a_plan_that_does_not_fit_in_memory_is_refused_before_the_step0_save(tmp_path):
     trained = tmp_path / "checkpoint.pt"
     trained.write_bytes(b"trained weights")
@@ -531,6 +539,7 @@ def test_a_plan_that_does_not_fit_in_memory_is_refused_before_the_step0_save(tmp
     assert trained.read_bytes() == b"trained weights"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_steps", [1, 2])
 def test_too_few_steps_for_a_schedule_are_said_and_the_last_step_runs_at_the_floor(tmp_path, max_steps):
     args = synthetic_time_run(tmp_path, ["--max_steps", str(max_steps), "--val_tokens", "4096"], budget_min=0.1)
@@ -541,6 +550,7 @@ def test_too_few_steps_for_a_schedule_are_said_and_the_last_step_runs_at_the_flo
     assert rows[0]["lr_frac"] == (0.0 if max_steps == 1 else 1.0)  # two steps: one at the full LR, then the floor
 
 
+@pytest.mark.slow
 def test_a_step_that_outlasts_the_whole_budget_is_refused_before_the_clock(tmp_path):
     args = synthetic_time_run(tmp_path, ["--batch_tokens", str(1 << 22), "--val_tokens", "4096"], budget_min=0.1)
     proc, _ = run_train(args, tmp_path, expect_rc=2)

@@ -94,6 +94,7 @@ def run_alone(folder, code):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_organizer_snippet_with_model_py_alone(tmp_path):
     shutil.copy(ROOT / "model.py", tmp_path / "model.py")
     out = json.loads(run_alone(tmp_path, TRAIN_AND_SAVE).splitlines()[-1])
@@ -138,6 +139,7 @@ def test_bf16_autocast_is_finite_and_close_to_fp32():
     assert abs(loss16.item() - loss32.item()) < 0.1
 
 
+@pytest.mark.slow
 def test_compiled_forward_matches_eager_and_state_dict_stays_plain(tmp_path):
     cfg = dict(SMALL, n_layer=2, n_embd=32, n_head=2, zero_init_proj=False)
     torch.manual_seed(0)
@@ -377,7 +379,7 @@ def test_chunked_loss_for_evaluation_and_misuse(chunks_of_24):
         model(idx, return_logits=False)
 
 
-@pytest.mark.parametrize("mode", ["whole", "per_block"])
+@pytest.mark.parametrize("mode", [pytest.param("whole", marks=pytest.mark.slow), "per_block"])
 def test_compiled_training_step_matches_eager(chunks_of_24, mode):
     model = build(n_layer=1, n_embd=32, n_head=2, zero_init_proj=False)
     idx, targets = capped_batch(model)

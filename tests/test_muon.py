@@ -269,6 +269,7 @@ def train_tiny(make_optimizers, steps=200):
         return F.cross_entropy(model(context), targets).item()
 
 
+@pytest.mark.slow
 def test_muon_plus_adamw_beats_tuned_adamw_in_the_same_steps():
     adam = dict(betas=(0.9, 0.95), eps=1e-8)
     # AdamW alone gets its best of three learning rates (1e-2 is best; 5e-3 and 2e-2 bracket it).

@@ -67,6 +67,7 @@ def test_facts_come_from_the_summary_its_plan_and_its_config_whichever_has_them(
     assert plot.run_facts(None) == {}
 
 
+@pytest.mark.slow
 def test_two_runs_make_one_png_with_shared_facts_in_the_title_and_the_rest_in_the_legend(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra; CI installs it")
     from matplotlib.image import imread

@@ -94,11 +94,13 @@ def test_bundle_holds_model_train_requirements_and_no_repo_imports(submission):
     assert (submission / "requirements.txt").read_text().split() == ["torch", "numpy", "tqdm"]
     source = (submission / "train.py").read_text()
     local = imported_roots((REPO / "train.py").read_text()) & REPO_MODULES
-    assert set(bundle.PASTED) <= local | {"checkpoint", "plan", "data", "muon"}  # what gets pasted
+    loader_parts = {"windows", "shards", "synthetic", "prefetch"}  # pasted through data.py
+    assert set(bundle.PASTED) <= local | {"checkpoint", "plan", "data", "muon"} | loader_parts  # what gets pasted
+    assert bundle.PASTED.index("clock") < bundle.PASTED.index("plan")  # plan.py imports clock.py
     assert "model" in imported_roots(source) and not imported_roots(source) & REPO_MODULES
     for name in ("class BatchLoader", "class Muon", "class Clock", "def launch", "def save_checkpoint"):
         assert re.search(rf"^{name}\b", source, re.M), name  # what a run reaches is there
-    for name in ("def write_synthetic", "def data_cli", "def _cli_bench"):
+    for name in ("def write_synthetic", "def _cli_check", "def _cli_bench"):
         assert not re.search(rf"^{name}\b", source, re.M), name  # what no run reaches is not
     assert "# Distributed contract (torch.distributed with world_size > 1, NCCL or gloo):" in source
     assert source.count('if __name__ == "__main__":') == 1
@@ -106,6 +108,7 @@ def test_bundle_holds_model_train_requirements_and_no_repo_imports(submission):
     run(["bundle.py", submission, "--check"], cwd=REPO)
 
 
+@pytest.mark.slow
 def test_bundled_train_runs_alone_with_organizer_flags_then_eval_py_scores_it(submission, token_dir, tmp_path):
     submission = shutil.copytree(submission, tmp_path / "submission")
     organizer_flags = (
@@ -473,7 +476,7 @@ def snapshot(folder):
         (".", "a_file", "src", "OUT_DIR a_file is a file, not a folder"),
         (".", "a_file/sub", "src", "OUT_DIR a_file/sub is under the file TMP/a_file, not a folder"),
         (".", "holds_a_folder", "src", "OUT_DIR holds_a_folder holds model.py as a folder"),
-        (".", "out", "nowhere", "--src nowhere lacks checkpoint.py, plan.py"),
+        (".", "out", "nowhere", "--src nowhere lacks checkpoint.py, clock.py"),
     ],
 )
 def test_bundle_refuses_an_out_dir_that_is_not_a_separate_folder(

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-import data
 import stage
 from data import BatchLoader, check_token_files, find_token_files, load_token_data
-from test_data import epoch0_windows, full_windows
+from shards import BLOCK_WINDOWS, STAGED_MANIFEST, Deal, block_layout, staged_blocks
+from conftest import epoch0_windows, full_windows
 from train import parse_args
+from windows import WindowSpec
 
 torch.set_num_threads(1)
 SEQ, VAL = 15, 1000  # 16-token windows, 1024-token blocks
@@ -26,19 +27,19 @@ def staged(tmp_path, monkeypatch):
     for i in range(4):
         (np.arange(i, i + 2_000_000) % 65535 + 1).astype("<u2").tofile(src / f"chunk_{i + 1:04d}.bin")
     monkeypatch.setattr(stage.socket, "getfqdn", lambda: "n2")
-    tokens = 3 * data.BLOCK_WINDOWS * SEQ * 4 / 1.5
+    tokens = 3 * BLOCK_WINDOWS * SEQ * 4 / 1.5
     stage.stage(src, dst, tokens, 4, 1.5, ["n2", "n1"], 2, parse_args(FLAGS)[0])
     return src, dst
 
 
 def loader(folder, rank, val_tokens=VAL):
     train = load_token_data(folder, 65536, SEQ, val_tokens).train
-    return BatchLoader(train, SEQ, data.BLOCK_WINDOWS // 2, rank, 4, vocab_size=65536)
+    return BatchLoader(train, WindowSpec(SEQ, vocab_size=65536), BLOCK_WINDOWS // 2, Deal(rank, 4))
 
 
 def test_staged_folder_holds_the_ranks_blocks_validation_and_check_sample(staged):
     src, dst = staged
-    manifest = json.loads((dst / data.STAGED_MANIFEST).read_text())
+    manifest = json.loads((dst / STAGED_MANIFEST).read_text())
     assert manifest["ranks"] == [2, 3] and manifest["blocks_per_rank"] == 3
     sizes = [p.stat().st_size for p in find_token_files(src)]
     assert [p.stat().st_size for p in find_token_files(dst)] == sizes
@@ -53,8 +54,8 @@ def test_loader_reads_its_usual_blocks_then_repeats_them_never_a_hole(staged, ca
     src, dst = staged
     for rank in (2, 3):
         with loader(dst, rank) as part, loader(src, rank) as full:
-            _, start, end = data.block_layout([len(a) for a in part.arrays], SEQ)
-            blocks = data.staged_blocks(len(start), rank, 4, 0, 3)
+            _, start, end = block_layout([len(a) for a in part.arrays], SEQ)
+            blocks = staged_blocks(len(start), rank, 4, 0, 3)
             n_staged = int(sum((end[blocks] - start[blocks]) // (SEQ + 1)))  # windows in the 3 staged blocks
             usual = np.concatenate([full_windows(*next(full)) for _ in range(-(-n_staged // full.batch_size))])
             usual = usual[:n_staged]  # what the rank reads from the full folder first

@@ -5,10 +5,8 @@ only the time-budget test reads the clock, with slack stated where it is used.
 """
 
 import dataclasses
-import inspect
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -27,96 +25,19 @@ import plan  # noqa: E402
 import train  # noqa: E402
 from eval import load_checkpoint  # noqa: E402  (the organizers' snippet, verbatim)
 
-from conftest import VOCAB  # noqa: E402
-
-TRAIN = ROOT / "train.py"
-SHAPE = ["--n_layer", "2", "--n_head", "2", "--n_embd", "64"]
-# step-keyed runs fix tokens per step: otherwise the plan grows it until the budget fits in --max_steps
-TINY = [
-    *SHAPE,
-    "--seq_len",
-    "32",
-    "--batch_size",
-    "8",
-    "--batch_tokens",
-    "256",
-    "--val_tokens",
-    "4096",
-    "--val_eval_tokens",
-    "2048",
-]
-LONG_BUDGET = ["--time_limit_min", "10"]  # never binding: the run is keyed to --max_steps or a signal
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def child_env():
-    """One intra-op thread per process: with 2 cores shared by the loader thread and other jobs, a second
-    OpenMP thread made a tiny run ~20x slower here. No inherited torchrun variables."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def command(args, nproc):
-    if nproc == 1:
-        return [sys.executable, str(TRAIN), *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(TRAIN),
-        *args,
-    ]
-
-
-def run_train(args, cwd, nproc=1, timeout=300, expect_rc=0):
-    start = time.perf_counter()
-    proc = subprocess.run(
-        command(args, nproc), cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout
-    )
-    wall = time.perf_counter() - start
-    assert proc.returncode == expect_rc, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc, wall
-
-
-def read_metrics(path):
-    """(training rows, validation rows, summary) from a metrics file, checking the summary is the last line."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
-    assert rows and rows[-1].get("summary") is True, rows[-3:]
-    train_rows = [r for r in rows[:-1] if "lr_frac" in r]
-    val_rows = [r for r in rows[:-1] if "val_loss" in r]
-    for r in train_rows:
-        assert {"step", "elapsed_s", "lr_frac", "train_loss", "tokens"} <= r.keys()
-    return train_rows, val_rows, rows[-1]
-
-
-def first_row(proc, path, timeout=120):
-    """Poll for the first complete metrics line; returns (time seen, row)."""
-    deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:
-        if path.exists():
-            text = path.read_text()
-            if "\n" in text:
-                return time.perf_counter(), json.loads(text.split("\n", 1)[0])
-        assert proc.poll() is None, f"train.py exited early: rc {proc.returncode}\n{proc.stderr.read()[-3000:]}"
-        time.sleep(0.02)
-    raise AssertionError(f"no metrics row in {timeout} s")
-
-
-def step_seconds(rows):
-    """Median seconds per optimizer step between logged rows after step 2 (compile and warm-up excluded)."""
-    rows = [r for r in rows if r["step"] >= 2]
-    per_step = [(b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"]) for a, b in zip(rows, rows[1:])]
-    return float(np.median(per_step))
-
+from conftest import (  # noqa: E402
+    LONG_BUDGET,
+    SHAPE,
+    TINY,
+    VOCAB,
+    child_env,
+    command,
+    first_row,
+    on_tokens,
+    read_metrics,
+    run_train,
+    step_seconds,
+)
 
 # ----------------------------------------------------------------------------- 1. learns the synthetic data
 
@@ -207,6 +128,17 @@ def test_organizer_flags_decay_to_the_floor_inside_the_time_budget(tmp_path, tok
 
 
 @pytest.mark.slow
+def test_a_ramp_grows_the_batch_and_still_ends_on_the_clock_at_the_floor(tmp_path, token_dir):
+    budget = 0.3 * 60
+    timed_run([*organizer_flags(token_dir, 0.3, 40), "--ramp_frac", "0.3"], tmp_path)
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    per_step = [r["tokens_per_step"] for r in rows]
+    assert per_step == sorted(per_step) and per_step[0] < per_step[-1], per_step  # grew, never shrank
+    assert summary["steps"] <= 40
+    assert_decays_to_the_floor_inside_the_budget(rows, summary, budget)
+
+
+@pytest.mark.slow
 def test_a_tight_max_steps_still_ends_on_the_clock_and_is_never_exceeded(tmp_path, token_dir):
     # 40 steps for 18 s: the plan raises tokens per step (and replans once from the measured step time) so the
     # time limit, not the step cap, ends the run; before the plan, this stopped at step 40 after a fraction of it
@@ -219,30 +151,39 @@ def test_a_tight_max_steps_still_ends_on_the_clock_and_is_never_exceeded(tmp_pat
     assert "plan: custom" in out
 
 
-def test_dry_run_prints_the_event_plan_without_a_gpu(tmp_path):
-    flags = [
-        "--dry_run",
-        "--world_size",
-        "32",
-        "--peak_tflops",
-        "2250",
-        "--device_memory_gib",
-        "288",
-        "--max_steps",
-        "5000",
-        "--time_limit_min",
-        "10",
-        "--seq_len",
-        "1024",
-        "--batch_size",
-        "8",
-        "--grad_accum_steps",
-        "4",
-        "--checkpoint_path",
-        str(tmp_path / "never.pt"),
-    ]
-    proc, _ = run_train(flags, tmp_path, timeout=120)
-    event = json.loads(proc.stdout.strip().splitlines()[-1])
+EVENT_DRY_RUN = [
+    "--dry_run",
+    "--world_size",
+    "32",
+    "--peak_tflops",
+    "2250",
+    "--device_memory_gib",
+    "288",
+    "--max_steps",
+    "5000",
+    "--time_limit_min",
+    "10",
+    "--seq_len",
+    "1024",
+    "--batch_size",
+    "8",
+    "--grad_accum_steps",
+    "4",
+    "--checkpoint_path",
+    "never.pt",
+]
+
+
+def dry_run(flags, tmp_path, capsys, monkeypatch):
+    """train.main in-process on a dry run: (stdout, the plan's JSON)."""
+    monkeypatch.chdir(tmp_path)
+    train.main(flags)
+    out = capsys.readouterr().out
+    return out, json.loads(out.strip().splitlines()[-1])
+
+
+def test_dry_run_prints_the_event_plan_without_a_gpu(tmp_path, capsys, monkeypatch):
+    stdout, event = dry_run(EVENT_DRY_RUN, tmp_path, capsys, monkeypatch)
     assert {
         "model",
         "n_params",
@@ -257,6 +198,16 @@ def test_dry_run_prints_the_event_plan_without_a_gpu(tmp_path):
     assert event["steps"] <= 5000 and event["train_s"] <= 600 and event["tokens"] >= 5e9
     assert event["micro_batch"] >= 8 and event["world_size"] == 32
     assert not list(tmp_path.iterdir())  # nothing written, no forward pass
+    assert event["start_accum"] == event["grad_accum_steps"] and "ramp:" not in stdout  # off by default
+
+
+def test_dry_run_prints_the_ramps_stages_when_it_is_on(tmp_path, capsys, monkeypatch):
+    stdout, event = dry_run([*EVENT_DRY_RUN, "--ramp_frac", "0.2"], tmp_path, capsys, monkeypatch)
+    unit = event["tokens_per_step"] // event["grad_accum_steps"]
+    assert unit * event["start_accum"] == plan.MIN_TOKENS_PER_STEP["cuda"] < event["tokens_per_step"]
+    assert 0 < event["ramp_steps"] < event["steps"] <= 0.9 * 5000
+    assert f"ramp: {unit * event['start_accum']:,} -> {event['tokens_per_step']:,} tokens/step" in stdout
+    assert f"(~{event['ramp_steps']:,} steps), then {event['steps'] - event['ramp_steps']:,} steps" in stdout
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +219,7 @@ def max_steps_run(tmp_path_factory, token_dir):
     return proc, unknown, read_metrics(folder / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_max_steps_limit_stops_at_that_step_at_the_floor(max_steps_run):
     _, _, (rows, _, summary) = max_steps_run
     assert summary["steps"] == 30 and summary["stop_reason"] == "max_steps"
@@ -275,6 +227,7 @@ def test_max_steps_limit_stops_at_that_step_at_the_floor(max_steps_run):
     assert summary["train_s"] < 60  # the 10-minute budget did not set the length
 
 
+@pytest.mark.slow
 def test_unknown_flags_are_reported_and_ignored(max_steps_run):
     proc, unknown, (_, _, summary) = max_steps_run
     assert f"ignoring unknown flags: {' '.join(unknown)}" in proc.stdout
@@ -289,19 +242,14 @@ def test_unknown_flags_that_prefix_known_ones_are_ignored_too():
     assert parsed[-1] == ["--warmup", "100", "--save_every", "500", "--batch", "4"]
 
 
-def test_every_flag_has_help_text_saying_what_its_default_means():
-    parser_help = subprocess.run(
-        [sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, env=child_env(), timeout=60
-    ).stdout
+def test_every_flag_has_help_text_saying_what_its_default_means(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    parser_help = capsys.readouterr().out
     for f in dataclasses.fields(train.Hyperparameters):
         assert f.metadata["help"].strip(), f.name
         assert f"--{f.name}" in parser_help
     assert "auto: 32000 for token files" in " ".join(parser_help.split())  # argparse wraps lines
-
-
-def on_tokens(token_dir):
-    """The flags that train on the token_dir fixture's files."""
-    return ["--data_dir", str(token_dir), "--vocab_size", str(VOCAB)]
 
 
 def picked_shape(stdout):
@@ -310,6 +258,7 @@ def picked_shape(stdout):
     return auto[0] if auto else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape_flags, auto_decides", [("win", False), ("ignore", True)])
 def test_shape_flags_win_over_auto_unless_told_to_be_ignored(tmp_path, token_dir, shape_flags, auto_decides):
     args = [*on_tokens(token_dir), *TINY, "--max_steps", "2", *LONG_BUDGET, "--shape_flags", shape_flags]
@@ -336,7 +285,7 @@ def ddp_setup(tmp_path_factory):
     consecutive blocks. With b = block_windows and block-aligned files, each rank's batch is one whole block:
     2 ranks take blocks (o0 | o1), (o2 | o3), ... and 1 rank with 2b takes (o0 + o1), (o2 + o3), ...: the same
     windows per step, while the two ranks' gradients differ (so a missing all-reduce would show)."""
-    b = inspect.signature(data.BatchLoader).parameters["block_windows"].default
+    b = data.BLOCK_WINDOWS
     folder = tmp_path_factory.mktemp("ddp")
     (folder / "data").mkdir()
     tokens = data.synthetic_tokens(64 * b * (SEQ + 1), vocab_size=VOCAB, n_states=512)
@@ -430,8 +379,8 @@ def test_block_aligned_batches_give_two_ranks_the_windows_of_one_double_batch(dd
     """The premise of the DDP comparisons below, checked on data.py directly: if it breaks, this says why."""
     folder, b, _ = ddp_setup
     arrays = [np.memmap(folder / "data" / "chunk_0001.bin", dtype="<u2", mode="r")]
-    loaders = [data.BatchLoader(arrays, SEQ, b, rank, 2) for rank in (0, 1)]
-    loaders.append(data.BatchLoader(arrays, SEQ, 2 * b, 0, 1))
+    loaders = [data.BatchLoader(arrays, data.WindowSpec(SEQ), b, data.Deal(rank, 2)) for rank in (0, 1)]
+    loaders.append(data.BatchLoader(arrays, data.WindowSpec(SEQ), 2 * b, data.Deal(0, 1)))
     try:
         for _ in range(6):
             (x0, _), (x1, _), (x, _) = (next(loader) for loader in loaders)
@@ -512,6 +461,7 @@ STOPS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", STOPS)
 def test_signal_mid_run_finishes_the_step_saves_and_exits_0(tmp_path, token_dir, signum):
     args = ["--data_dir", str(token_dir), "--vocab_size", str(VOCAB), *TINY, *LONG_BUDGET]
@@ -599,6 +549,7 @@ def event_depth_args(token_dir, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_event_depth_compiles_the_planned_graphs_once_and_validation_adds_none(tmp_path, token_dir):
     # any graph asked for after step 0 (a recompile: grad mode, a ragged or other-sized batch, a new guard) raises
     script = (
@@ -684,6 +635,7 @@ def test_cosine_schedule_and_warmup_reach_the_floor():
     assert all(lr(a) >= lr(b) for a, b in zip(grid, grid[1:]))
 
 
+@pytest.mark.slow
 def test_progress_by_steps_is_blind_to_the_clock(tmp_path, token_dir):
     args = [
         *on_tokens(token_dir),
@@ -704,6 +656,7 @@ def test_progress_by_steps_is_blind_to_the_clock(tmp_path, token_dir):
         assert r["lr_frac"] == pytest.approx(train.schedule(r["step"] / 12, hp)[0])
 
 
+@pytest.mark.slow
 def test_cpu_training_keeps_freed_memory_instead_of_faulting_it_back_in():
     """launch.keep_freed_memory (called for CPU runs): a freed 16 MB tensor's pages are reused, not faulted in anew."""
     code = """
@@ -720,3 +673,12 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     result = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
     applied, faults = result.stdout.split()
     assert applied == "True" and int(faults) < 1000, result.stdout
+
+
+def test_the_sqrt_lr_rule_scales_only_a_batch_above_the_recipes():
+    hp = train.Hyperparameters()
+    minimum = plan.MIN_TOKENS_PER_STEP["cuda"]
+    assert hp.lr_rule == "sqrt"  # the default: BENCHMARKS.md, the recipe under the organizers' step cap
+    assert train.batch_lr_scale(minimum, hp, "cuda") == 1.0 == train.batch_lr_scale(minimum // 2, hp, "cuda")
+    assert train.batch_lr_scale(4 * minimum, hp, "cuda") == 2.0
+    assert train.batch_lr_scale(4 * minimum, train.Hyperparameters(lr_rule="none"), "cuda") == 1.0

@@ -1,0 +1,273 @@
+"""The training loop's clock: when to sync, each step's progress and accumulation, and when to stop.
+
+The loop asks three things of a Clock, in this order, and the fake-clock tests drive it with the same calls:
+    clock.due(step)           -> sync now? (a host sync costs a device round trip: about every --log_every_s)
+    clock.sync(step, ...)     -> at a sync, with numbers all ranks agree on: the stop reason, or None to go on
+    clock.begin_step(step)    -> (progress in [0, 1] for the schedule, this step's accumulation)
+Time is measured per accumulation micro-step (unit_s): a step's time is unit_s x its accumulation, so the forecasts
+stay right when the accumulation changes mid-run (a replan, or the batch ramp).
+
+The batch ramp (--ramp_frac, off by default: it lost to a constant batch, BENCHMARKS.md): when the organizers' step
+cap forces a larger batch than the recipe's, the accumulation may start at the recipe's (start_accum) and grow
+linearly over the first ramp_frac of the run to the late accumulation, chosen so that all steps still fit in
+STEP_HEADROOM x max_steps. Pure arithmetic, no sleeping.
+"""
+
+import math
+
+STEP_HEADROOM = 0.9  # plan at most this fraction of --max_steps: a 10% faster device still ends on the clock
+# periodic validations together take at most VAL_SHARE of the budget, the final one FINAL_VAL_SHARE; before one is
+# measured, a validation token is forecast to cost VAL_TOKEN_COST training tokens (a forward is a third of the FLOPs,
+# run eagerly and unfused)
+VAL_SHARE = 0.1
+FINAL_VAL_SHARE = 0.25
+VAL_TOKEN_COST = 0.5
+FILL_SLACK = 0.02  # a replan takes the smallest accumulation whose whole steps fill the rest of the budget within this
+
+
+def ramp_accum(progress, start_accum, late_accum, ramp_frac):
+    """The accumulation of a step at this progress: linear from start_accum to late_accum over ramp_frac."""
+    if ramp_frac <= 0 or progress >= ramp_frac:
+        return late_accum
+    return max(start_accum, min(late_accum, round(start_accum + (late_accum - start_accum) * progress / ramp_frac)))
+
+
+def steps_between(t0, t1, unit_s, start_accum, late_accum, ramp_end_s):
+    """Steps (a real number) that run from t0 to t1 seconds when a step takes unit_s x its accumulation, which
+    grows linearly from start_accum at 0 s to late_accum at ramp_end_s and stays there."""
+    if t1 <= t0:
+        return 0.0
+    steps = max(t1 - max(t0, ramp_end_s), 0.0) / (unit_s * late_accum)
+    if t0 < ramp_end_s:  # the integral of dt / (unit_s x accum(t)) over the ramp
+        slope = (late_accum - start_accum) / ramp_end_s
+        a0, a1 = start_accum + slope * t0, start_accum + slope * min(t1, ramp_end_s)
+        steps += (min(t1, ramp_end_s) - t0) / (unit_s * a0) if slope == 0 else math.log(a1 / a0) / (unit_s * slope)
+    return steps
+
+
+def last_step(step, fit, elapsed, budget_s, reserve_s, max_steps, planned_last):
+    """Index of the last step to run, or None to stop now, when `fit` whole steps fit in what is left of the budget
+    after reserve_s for planned validation. When none fits any more but the planned last step has not run, it still
+    starts inside the budget (and ends less than a step past it), so the run always ends on its floor-LR step. No
+    whole step of slack: with the organizers' step cap a step can be ~1/7 of the budget."""
+    if fit < 1:
+        return step if step <= planned_last and elapsed < budget_s - reserve_s else None
+    return min(max_steps - 1, step + fit - 1)
+
+
+def next_sync(step, last, step_s, log_every_s):
+    """The step of the next host sync: about every log_every_s, and at least twice more before the last step,
+    so a late slowdown still moves the plan."""
+    return step + max(1, min(int(log_every_s / step_s), (last - step) // 2))
+
+
+def progress(step, last, end_forecast_s, end_s, cap_share, previous):
+    """Schedule progress of step (0-based): where the clock forecasts this step to end over where training ends (the
+    budget, or with a batch ramp the forecast end), or cap_share, the step cap's share (step + 1) / max_steps, whichever
+    is ahead; exactly 1 at the planned last step; never back. Time, so a slow stretch moves it smoothly; a run the cap
+    ends early is keyed to its steps, so it is deterministic. A ramp passes cap_share 0: its many small early steps
+    would run ahead of the clock."""
+    if step >= last:
+        return 1.0
+    return min(1.0, max(previous, end_forecast_s / end_s, cap_share))
+
+
+def corrected_accum(step, max_steps, accum, steps_left):
+    """The late accumulation whose steps fit in STEP_HEADROOM x max_steps and whose whole steps fill the rest of the
+    budget, or None when the current one already fits. steps_left(accum) -> (steps that fit, a real number; seconds
+    those whole steps use). The smallest that fits is taken unless a larger one fills more than FILL_SLACK more of the
+    rest: with few steps left the rounding matters (29 s and 5 steps of 0.5 s per accumulation take 11, not 10), with
+    many, more steps matter (an early replan once took 9 for 5 to fill 1% more, and trained 20 steps, not 37)."""
+    available = max(int(STEP_HEADROOM * max_steps) - step, 1)
+    if int(steps_left(accum)[0]) <= available:
+        return None
+    smallest = accum + 1
+    while int(steps_left(smallest)[0]) > available:
+        smallest = max(smallest + 1, math.ceil(smallest * steps_left(smallest)[0] / (available + 1)))
+    while smallest > accum + 1 and int(steps_left(smallest - 1)[0]) <= available:  # the jump may overshoot
+        smallest -= 1
+    used = {new: steps_left(new)[1] for new in range(smallest, 2 * smallest + 1)}
+    return min(new for new in used if used[new] >= (1 - FILL_SLACK) * max(used.values()))
+
+
+class Clock:
+    """The loop's time keeping, fed at every host sync with numbers all ranks agree on, so they decide alike:
+    the steady micro-step time (pauses taken out), what the periodic validations still to come may take, raising the
+    late accumulation (in the first half, only upward) when the step cap would end the run before the budget, the
+    last step and the next sync."""
+
+    def __init__(
+        self,
+        budget_s,
+        max_steps,
+        accum,
+        log_every_s,
+        may_replan,
+        planned_step_s=None,
+        micro_tokens=1,
+        val_every_s=0.0,
+        val_until_s=0.0,
+        val_batches=0,
+        val_tokens=0,
+        start_accum=None,
+        ramp_frac=0.0,
+        progress_by_steps=False,
+    ):
+        self.budget_s, self.max_steps, self.accum, self.log_every_s = budget_s, max_steps, accum, log_every_s
+        self.may_replan, self.micro_tokens, self.notes = may_replan, micro_tokens, []
+        self.start_accum = accum if start_accum is None else start_accum  # the ramp's first accumulation
+        self.ramp_frac, self.progress_by_steps = ramp_frac, progress_by_steps
+        self.planned_unit_s = planned_step_s / accum if planned_step_s else None  # before any step is measured
+        self.val_every_s, self.val_until_s = val_every_s, val_until_s  # periodic validation stops at val_until_s
+        self.val_batches, self.val_tokens, self.val_token_s = val_batches, val_tokens, None
+        self.unit_s, self.compile_s, self.last, self.sync_at = None, 0.0, max_steps - 1, 0
+        self.end_s = budget_s  # forecast end of training: the budget, or sooner when the step cap binds
+        self.prev_step, self.prev_elapsed, self.prev_paused = 0, 0.0, 0.0
+        self.units, self.prev_units = 0, 0  # accumulation micro-steps begun in all, and at the last sync
+        self.done, self.step_accum = 0.0, self.start_accum
+        self._said = set()
+
+    @property
+    def step_s(self):
+        """Forecast seconds of the current step (None before one is measured)."""
+        return None if self.unit_s is None else self.unit_s * self.step_accum
+
+    def _say_once(self, key, note):
+        if key not in self._said:
+            self._said.add(key)
+            self.notes.append(note)
+
+    def due(self, step):
+        """Whether the loop takes a host sync before this step."""
+        return step >= self.sync_at or step > self.last
+
+    def begin_step(self, step):
+        """(progress of this step for the schedule, its accumulation); the starter's progress_by_steps is blind to
+        the clock, kept to measure what that costs."""
+        if self.progress_by_steps:
+            self.done = (step + 1) / self.max_steps
+        else:
+            end_s, cap_share = (self.end_s, 0.0) if self.ramp_frac else (self.budget_s, (step + 1) / self.max_steps)
+            self.done = progress(step, self.last, self._end_forecast(step), end_s, cap_share, self.done)
+        ramp = ramp_accum(self._end_forecast(step) / self.budget_s, self.start_accum, self.accum, self.ramp_frac)
+        self.step_accum = max(self.step_accum, ramp)  # a forecast that moves back at a sync never shrinks the batch
+        self.units += self.step_accum
+        return self.done, self.step_accum
+
+    def _end_forecast(self, step):
+        """When this step is forecast to end, in seconds on the clock."""
+        return self.prev_elapsed + (step - self.prev_step + 1) * (self.step_s or 0.0)
+
+    def _steps_left(self, elapsed, reserve_s, accum):
+        """(steps that fit in the rest of the budget with this late accumulation, a real number; seconds they use)."""
+        end = self.budget_s - reserve_s
+        ramp_end = self.ramp_frac * self.budget_s if self.start_accum < accum else 0.0
+        steps = steps_between(elapsed, end, self.unit_s, self.start_accum, accum, ramp_end)
+        return steps, end - elapsed - (steps - int(steps)) * self.unit_s * accum
+
+    def _val_batch_s(self):
+        """Forecast seconds of a validation batch: from the measured cost of a validation token or, before one is
+        measured, VAL_TOKEN_COST x a training token's."""
+        token_s = self.val_token_s or VAL_TOKEN_COST * self.unit_s / self.micro_tokens
+        return token_s * self.val_tokens / self.val_batches
+
+    def _val_count(self):
+        """Periodic validations the run is forecast to take."""
+        return max(1, int(min(self.val_until_s, self.end_s) / self.val_every_s))
+
+    def _batches_per_validation(self):
+        """(batches one periodic validation scores, its forecast seconds): the whole set, or as many batches as fit
+        in its share of the forecast training time."""
+        batch_s = self._val_batch_s()
+        batches = min(self.val_batches, int(VAL_SHARE * self.end_s / self._val_count() / batch_s))
+        return batches, batches * batch_s
+
+    def final_validation_batches(self):
+        """Batches the final validation scores: all of them, or at least one and as many as fit in FINAL_VAL_SHARE
+        of the budget (it runs after the clock, but before the job's wall)."""
+        if self.unit_s is None and self.val_token_s is None:
+            return self.val_batches
+        batch_s = self._val_batch_s()
+        batches = max(1, min(self.val_batches, int(FINAL_VAL_SHARE * self.budget_s / batch_s)))
+        if batches < self.val_batches:
+            self.notes.append(
+                f"validation: the final one scores {batches} of {self.val_batches} batches (~{batches * batch_s:.2g} "
+                f"s), at most {FINAL_VAL_SHARE:.0%} of the budget; lower --val_eval_tokens to score them all"
+            )
+        return batches
+
+    def validation_batches(self, elapsed, last_val):
+        """How many validation batches to score now: 0 when none is due (or the step time is not measured yet, or
+        not even one batch fits in a validation's share of the budget)."""
+        due = self.val_every_s > 0 and elapsed - last_val >= self.val_every_s and elapsed < self.val_until_s
+        if not due or self.unit_s is None or not self.val_batches:
+            return 0
+        batches, forecast_s = self._batches_per_validation()
+        if batches == 0:
+            self._say_once(
+                "skip",
+                f"validation: skipped; one batch would outlast a validation's share of the budget "
+                f"({VAL_SHARE:.0%} over {self._val_count()} validations); the final one still runs",
+            )
+        elif batches < self.val_batches:
+            self._say_once(
+                "shrink",
+                f"validation: {batches} of {self.val_batches} batches per periodic validation (~{forecast_s:.2g} s), "
+                f"so that together they take at most {VAL_SHARE:.0%} of the budget; the final one is planned apart",
+            )
+        return batches
+
+    def _measure(self, step, elapsed, paused):
+        """Take the micro-step time from the steps since the last sync (the first step carries compilation)."""
+        units = self.units - self.prev_units
+        interval = (elapsed - self.prev_elapsed - (paused - self.prev_paused)) / max(units, 1)
+        if step == 1:
+            self.compile_s = elapsed
+        elif step > 1 and units:
+            if self.unit_s is not None and interval > 3 * self.unit_s:
+                self.notes.append(
+                    f"stall: {(interval - self.unit_s) * units:.1f} s lost between steps {self.prev_step} and {step}"
+                )
+            self.unit_s = interval if self.unit_s is None else 0.5 * self.unit_s + 0.5 * interval
+        self.prev_step, self.prev_elapsed, self.prev_paused, self.prev_units = step, elapsed, paused, self.units
+
+    def sync(self, step, elapsed, paused, val_token_s):
+        """Take the clock after `step` steps: elapsed and paused (validation, saves) seconds, and val_token_s, what a
+        validation token took (0 before the first validation). Returns the stop reason, or None to go on."""
+        self._measure(step, elapsed, paused)
+        self.val_token_s = val_token_s or self.val_token_s
+        if step >= self.max_steps:
+            return "max_steps"
+        reserve_s = 0.0
+        if self.val_every_s > 0 and self.unit_s is not None:
+            future_vals = max(math.ceil((self.val_until_s - elapsed) / self.val_every_s), 0)
+            reserve_s = future_vals * self._batches_per_validation()[1]
+        if self.may_replan and self.unit_s is not None and elapsed < self.budget_s / 2:
+            # the device is faster than the plan: accumulate more so the step cap does not end the run early
+            new = corrected_accum(
+                step, self.max_steps, self.accum, lambda accum: self._steps_left(elapsed, reserve_s, accum)
+            )
+            if new is not None:
+                self.notes.append(
+                    f"replan: {self.unit_s * self.accum * 1e3:.4g} ms/step measured; accumulation {self.accum} -> "
+                    f"{new} so the budget fits in --max_steps"
+                )
+                self.accum = new
+        if self.unit_s is None:  # steps 0-1: planned from the plan's forecast, then from the compile step
+            unit_s = (
+                self.planned_unit_s if step == 0 and self.planned_unit_s else max(elapsed, 1e-3) / max(self.units, 1)
+            )
+            fit = int((self.budget_s - elapsed - reserve_s) / (unit_s * self.step_accum))
+        else:
+            fit = int(self._steps_left(elapsed, reserve_s, self.accum)[0])
+        planned = last_step(step, fit, elapsed, self.budget_s, reserve_s, self.max_steps, self.last)
+        if planned is None:
+            return "time_limit" if step > 0 else None
+        self.last = planned  # before the first measured step, planned from the compile step: early, never late
+        if self.unit_s is None:
+            self.sync_at = step + 1  # steps 0-1: compile time, then the first measured step
+        else:
+            late_step_s = self.unit_s * self.accum
+            self.sync_at = next_sync(step, self.last, self.step_s, self.log_every_s)
+            self.end_s = min(self.budget_s, elapsed + reserve_s + (self.last - step + 1) * late_step_s)
+        return None

@@ -1,0 +1,118 @@
+"""The data CLI, run as `python data.py ...` (its documented entry) or `python data_cli.py ...`:
+check DIR [--full] validates a folder of chunk_*.bin files and summarises it; synth OUT_DIR --tokens N writes the
+synthetic Markov data in the event format; bench DIR measures the loader's tokens/s and its cost to a concurrent
+compute loop.
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+from data import BatchLoader, check_token_files, find_token_files, load_token_data
+from shards import Deal
+from synthetic import SYNTH_STATES, synthetic_entropy_nats, write_synthetic
+from windows import BOS_ID, WindowSpec
+
+
+def _cli_check(args):
+    start = time.perf_counter()
+    s = check_token_files(find_token_files(args.data_dir), args.vocab_size, args.seq_len, full=args.full)
+    print(f"ok: {s['files']} files, {s['tokens']:,} tokens ({2 * s['tokens'] / 2**30:.2f} GiB) in {args.data_dir}")
+    checked = "every token" if args.full else f"sampled {s['checked_tokens']:,} tokens"
+    print(f"{checked}: ids {s['min_id']}..{s['max_id']} (--vocab_size {args.vocab_size})")
+    mean_doc = f", ~{1 / s['bos_rate']:,.0f} tokens per document" if s["bos_rate"] else ""
+    print(f"BOS id {BOS_ID}: rate {s['bos_rate']:.2e}{mean_doc}: {'detected' if s['has_bos'] else 'not detected'}")
+    print(f"checked in {time.perf_counter() - start:.2f} s")
+
+
+def _cli_synth(args):
+    start = time.perf_counter()
+    paths = write_synthetic(
+        args.out_dir,
+        args.tokens,
+        args.chunk_tokens,
+        args.vocab_size,
+        args.seed,
+        args.n_states,
+        args.n_successors,
+        args.doc_len,
+    )
+    print(
+        f"wrote {args.tokens:,} tokens in {len(paths)} files to {args.out_dir} in {time.perf_counter() - start:.1f}"
+        f" s; entropy rate {synthetic_entropy_nats(args.n_successors, args.doc_len):.4f} nats/token"
+    )
+
+
+def _cli_bench(args):
+    torch.set_num_threads(1)  # the compute loop gets one core, the loader thread another
+    data = load_token_data(args.data_dir, args.vocab_size, args.seq_len, val_tokens=0)
+    a = torch.randn(args.matmul, args.matmul)
+
+    def timed(loader, compute):
+        """Seconds for args.batches iterations of (next batch, matmul), and the part spent in next()."""
+        waited, start = 0.0, time.perf_counter()
+        for _ in range(args.batches):
+            if loader is not None:
+                asked = time.perf_counter()
+                next(loader)
+                waited += time.perf_counter() - asked
+            if compute:
+                a @ a
+        return time.perf_counter() - start, waited
+
+    def with_loader(compute):
+        spec = WindowSpec(args.seq_len, doc_aligned=args.doc_aligned, bos_id=data.bos_id)
+        with BatchLoader(data.train, spec, args.batch_size, Deal(0, 1)) as loader:
+            return timed(loader, compute)
+
+    for label in ("first pass", "page cache"):  # the first pass reads exactly the windows the second one times
+        seconds, _ = with_loader(compute=False)
+        print(
+            f"loader ({label}): {args.batches * args.batch_size * args.seq_len / seconds / 1e6:.1f}M tokens/s "
+            f"({1e3 * seconds / args.batches:.2f} ms/batch of {args.batch_size} x {args.seq_len})"
+        )
+    alone, shared = [], []
+    for _ in range(3):  # alternate and keep the best of each: other processes share this machine
+        alone.append(timed(None, compute=True)[0])
+        shared.append(with_loader(compute=True))
+    alone, (shared, waited) = min(alone) / args.batches, [t / args.batches for t in min(shared)]
+    print(
+        f"compute loop ({args.matmul}^2 matmul + one batch per iteration, best of 3): alone {1e3 * alone:.2f} "
+        f"ms/iter, with loader {1e3 * shared:.2f} ms/iter ({100 * (shared / alone - 1):+.1f}%, of which "
+        f"{1e3 * waited:.3f} ms/iter in next())"
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="data.py", description="Check, synthesise or benchmark token data.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="validate a folder of chunk_*.bin files and summarise it")
+    check.add_argument("data_dir")
+    check.add_argument("--full", action="store_true", help="read every token, not a sample (minutes on NFS)")
+    synth = commands.add_parser("synth", help="write the synthetic Markov data in the event format")
+    synth.add_argument("out_dir")
+    synth.add_argument("--tokens", type=lambda s: int(float(s)), required=True, help="e.g. 1e8")
+    synth.add_argument("--chunk_tokens", type=lambda s: int(float(s)), default=1 << 24)
+    for name, default in (("seed", 0), ("n_states", SYNTH_STATES), ("n_successors", 8), ("doc_len", 256)):
+        synth.add_argument(f"--{name}", type=int, default=default)
+    bench = commands.add_parser("bench", help="loader tokens/s and its cost to a concurrent compute loop")
+    bench.add_argument("data_dir")
+    bench.add_argument("--batch_size", type=int, default=64)
+    bench.add_argument("--batches", type=int, default=300)
+    bench.add_argument("--matmul", type=int, default=512, help="matrix size of the compute loop")
+    bench.add_argument("--doc_aligned", action="store_true")
+    for sub in (check, synth, bench):
+        sub.add_argument("--vocab_size", type=int, default=32000)
+    for sub in (check, bench):
+        sub.add_argument("--seq_len", type=int, default=1024)
+    args = parser.parse_args(argv)
+    try:
+        {"check": _cli_check, "synth": _cli_synth, "bench": _cli_bench}[args.command](args)
+    except (FileNotFoundError, ValueError) as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The loop's clock, driven by a fake clock through the same calls the loop makes (due, sync, begin_step)."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+import clock as C
+
+
+def test_last_step_fills_the_budget_and_the_planned_last_step_always_starts_inside_it():
+    kw = dict(budget_s=60.0, reserve_s=0.0, max_steps=1000, planned_last=999)
+    assert C.last_step(step=10, fit=10, elapsed=50.0, **kw) == 19  # steps 10..19 end by 60 s
+    assert C.last_step(step=10, fit=10, elapsed=50.0, **{**kw, "max_steps": 15}) == 14
+    # no whole step fits, but the planned last step has not run: it starts inside the budget, at the floor
+    assert C.last_step(step=10, fit=0, elapsed=59.5, **kw) == 10
+    # it has run (step 11 > planned last 10), or the budget (less the validation reserve) is spent: stop
+    assert C.last_step(step=11, fit=0, elapsed=59.5, **{**kw, "planned_last": 10}) is None
+    assert C.last_step(step=10, fit=0, elapsed=60.0, **kw) is None
+    assert C.last_step(step=10, fit=0, elapsed=55.0, **{**kw, "reserve_s": 5.0}) is None
+
+
+def test_progress_follows_the_clock_or_the_step_cap_and_is_one_at_the_last_step():
+    assert C.progress(9, 99, end_forecast_s=30.0, end_s=60.0, cap_share=0.01, previous=0.0) == 0.5
+    assert C.progress(9, 99, end_forecast_s=3.0, end_s=60.0, cap_share=10 / 20, previous=0.0) == 0.5  # the cap's
+    assert C.progress(9, 99, end_forecast_s=15.0, end_s=30.0, cap_share=0.0, previous=0.0) == 0.5  # a ramp's end
+    assert C.progress(9, 99, end_forecast_s=3.0, end_s=60.0, cap_share=0.01, previous=0.7) == 0.7  # never back
+    assert C.progress(99, 99, end_forecast_s=3.0, end_s=60.0, cap_share=0.01, previous=0.0) == 1.0
+    assert C.progress(9, 99, end_forecast_s=90.0, end_s=60.0, cap_share=0.01, previous=0.0) == 1.0
+
+
+def test_next_sync_follows_the_cadence_and_halves_toward_the_end():
+    assert C.next_sync(step=100, last=10_000, step_s=0.01, log_every_s=1.0) == 200
+    assert C.next_sync(step=100, last=140, step_s=0.01, log_every_s=1.0) == 120
+    assert C.next_sync(step=100, last=100, step_s=0.01, log_every_s=1.0) == 101
+
+
+def test_steps_between_integrates_the_ramp():
+    # no ramp: 60 s of 0.5 s per accumulation at accumulation 4 is 30 steps
+    assert C.steps_between(0.0, 60.0, 0.5, 4, 4, 0.0) == pytest.approx(30.0)
+    # a ramp from 1 to 4 over 30 s: by brute force over small time slices, then 30 s at 2 s a step
+    brute = sum(0.001 / (0.5 * (1 + 3 * (t + 0.0005) / 30.0)) for t in (i * 0.001 for i in range(30_000)))
+    assert C.steps_between(0.0, 60.0, 0.5, 1, 4, 30.0) == pytest.approx(brute + 15.0, rel=1e-4)
+    assert C.steps_between(10.0, 20.0, 0.5, 1, 4, 30.0) + C.steps_between(20.0, 60.0, 0.5, 1, 4, 30.0) == (
+        pytest.approx(C.steps_between(10.0, 60.0, 0.5, 1, 4, 30.0))
+    )
+    assert [C.ramp_accum(p, 1, 5, 0.2) for p in (0.0, 0.05, 0.1, 0.19, 0.2, 0.9)] == [1, 2, 3, 5, 5, 5]
+
+
+def test_accumulation_is_raised_once_the_device_proves_faster_than_forecast():
+    # 500 s left at 0.05 s/step (accumulation 4) = 10,000 steps, but only 0.9 x 5000 - 100 fit: ~2.3x more
+    def steps_left(accum, unit_s=0.05 / 4, remaining=500.0):
+        steps = remaining / (unit_s * accum)
+        return steps, remaining - (steps - int(steps)) * unit_s * accum
+
+    assert C.corrected_accum(step=100, max_steps=5000, accum=4, steps_left=steps_left) == 10  # ceil(4 x 10000 / 4400)
+    assert C.corrected_accum(step=100, max_steps=5000, accum=4, steps_left=lambda a: steps_left(a, 0.05)) is None
+    # an early replan: 293 s left at 1.54 s per accumulation and 39 steps; 5 fills 292.6 s in 38 steps, and a larger
+    # one that fills a few tenths more with half the steps is not worth it
+    assert C.corrected_accum(step=2, max_steps=46, accum=2, steps_left=lambda a: steps_left(a, 1.54, 293.0)) == 5
+
+
+def simulate(clock, unit_s, batch_s=0.0, stall=None):
+    """Drive a Clock through the loop's calls with a fake clock: a step takes unit_s x its accumulation, validation
+    batches batch_s each. (steps, progress of the last step, end time, seconds validating, accumulations)."""
+    step, elapsed, paused, last_val, token_s, accums = 0, 0.0, 0.0, 0.0, 0.0, []
+    while True:
+        if clock.due(step):
+            if clock.sync(step, elapsed, paused, token_s):
+                return step, clock.done, elapsed, paused, accums
+            if batches := clock.validation_batches(elapsed, last_val):
+                elapsed, paused, last_val = elapsed + batches * batch_s, paused + batches * batch_s, elapsed
+                token_s = batch_s * clock.val_batches / clock.val_tokens
+        _, accum = clock.begin_step(step)
+        accums.append(accum)
+        elapsed += unit_s * accum + (stall[1] if stall and step == stall[0] else 0.0)
+        step += 1
+
+
+def test_clock_ends_at_the_floor_inside_the_budget_with_validation_and_a_stall():
+    for kwargs in [{}, {"batch_s": 0.1}, {"stall": (300, 8.0)}, {"batch_s": 0.05, "stall": (1000, 20.0)}]:
+        clock = C.Clock(
+            60.0, 10**6, 1, 1.0, may_replan=False, val_every_s=5.0, val_until_s=36.0, val_batches=10, val_tokens=10
+        )
+        steps, done, end, paused, _ = simulate(clock, 0.02, **kwargs)
+        assert done == 1.0 and end <= 60.0 + 0.02, kwargs  # the last step ran at the floor, inside the budget
+        assert end > 60.0 - 3 * 0.02, kwargs  # and the budget was used
+        assert paused <= C.VAL_SHARE * 60.0 + 1e-9, kwargs  # validation kept to its share
+
+
+def test_a_validation_that_would_break_the_budget_is_shrunk_or_skipped_before_it_runs():
+    # 1,000 batches of 10,000 tokens; a training token takes 2e-4 s, so a batch is forecast at 0.5 x 2e-4 x 10,000
+    # = 1 s, and takes that; a 60 s budget and 7 validations give each 10% x 60 / 7 = 0.86 s: none runs
+    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=False, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock.val_batches, clock.val_tokens = 1000, 10**7
+    steps, done, end, paused, _ = simulate(clock, 0.02, batch_s=1.0)
+    assert paused == 0.0 and done == 1.0 and end > 59.9 and any("skipped" in n for n in clock.notes)
+    # a forecast 10x too low: the first validation overruns its share, the rest are planned from the measurement
+    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=False, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock.val_batches, clock.val_tokens = 1000, 10**6
+    steps, done, end, paused, _ = simulate(clock, 0.02, batch_s=0.5)
+    assert done == 1.0 and end <= 60.02 and paused <= 2 * C.VAL_SHARE * 60.0
+    # before any validation is measured, its cost is forecast from the step time
+    clock = C.Clock(60.0, 10**6, 4, 1.0, may_replan=False, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock.val_batches, clock.val_tokens, clock.unit_s = 1000, 100_000, 0.01  # 1e-4 s/train token: 5e-3 s a batch
+    assert clock.validation_batches(elapsed=5.0, last_val=0.0) == int(6.0 / 7 / (C.VAL_TOKEN_COST * 1e-4 * 100))
+    assert [n for n in clock.notes if "171 of 1000 batches" in n]
+    assert clock.validation_batches(elapsed=5.0, last_val=1.0) == 0  # not due yet
+    # the final validation scores all, unless that outlasts its share of the budget
+    assert clock.final_validation_batches() == 1000
+    clock.val_token_s = 1e-2  # 1 s a batch
+    assert clock.final_validation_batches() == int(C.FINAL_VAL_SHARE * 60.0)
+
+
+def test_clock_raises_accumulation_when_steps_would_run_out_before_the_budget():
+    clock = C.Clock(60.0, 500, 1, 1.0, may_replan=True)
+    steps, done, end, _, _ = simulate(clock, 0.02)  # 3000 steps would fit, only 500 are allowed
+    assert 6 <= clock.accum <= 9 and steps <= 500 and done == 1.0 and end > 0.9 * 60.0
+
+
+def test_a_tight_step_cap_uses_the_budget_from_the_first_measured_step():
+    # the organizers' kind of cap on a tiny budget: 8 steps, each a seventh of the budget or more
+    for unit_s in (0.5, 1.0, 2.3, 3.9):
+        clock = C.Clock(30.0, 8, 1, 1.0, may_replan=True)
+        steps, done, end, _, _ = simulate(clock, unit_s)
+        assert steps <= 8 and done == 1.0, unit_s
+        assert 0.9 * 30.0 <= end <= 30.0 + unit_s * clock.accum, (unit_s, end, clock.accum)
+
+
+def test_a_ramp_grows_the_accumulation_and_the_forecasts_stay_right_as_it_does():
+    # a cap that forces ~5x the recipe's batch; the ramp starts at the recipe's (accumulation 1) over 20% of the run
+    clock = C.Clock(300.0, 46, 6, 1.0, may_replan=True, planned_step_s=6 * 1.6, start_accum=1, ramp_frac=0.2)
+    steps, done, end, _, accums = simulate(clock, 1.6)
+    assert accums[0] == 1 and accums == sorted(accums) and accums[-1] == clock.accum  # grows, never shrinks
+    assert steps <= 46 and done == 1.0  # the cap held, the last step ran at the floor LR
+    assert 0.95 * 300.0 <= end <= 300.0 + 1.6 * clock.accum, (end, clock.accum)
+    assert clock.last == steps - 1  # the last step forecast after the ramp was the one that ran
+
+
+@pytest.mark.parametrize("speed", [0.5, 1.0, 2.0, 4.0])
+def test_the_ramp_plan_never_exceeds_the_step_cap_over_budgets_speeds_and_caps(speed, event_plan):
+    """The plan's ramp rule over a grid (budget, cap, the device `speed` x the plan's forecast), then the clock run
+    on that device: never more steps than the cap, the last at the floor, most of the budget used."""
+    for budget_s, max_steps in itertools.product((60.0, 600.0), (50, 500, 5000)):
+        plan, _ = event_plan(model="l16w1024", budget_s=budget_s, max_steps=max_steps, ramp_frac=0.2)
+        assert plan.steps <= C.STEP_HEADROOM * max_steps, (budget_s, max_steps)
+        if plan.start_accum == plan.grad_accum_steps:  # the cap does not bind: the plan is the plan without a ramp
+            no_ramp = event_plan(model="l16w1024", budget_s=budget_s, max_steps=max_steps)[0]
+            assert plan == dataclasses.replace(no_ramp, ramp_frac=0.2), (budget_s, max_steps)
+            continue
+        unit_s = plan.step_s / plan.grad_accum_steps / speed
+        clock = C.Clock(
+            budget_s,
+            max_steps,
+            plan.grad_accum_steps,
+            1.0,
+            may_replan=True,
+            planned_step_s=plan.step_s,
+            start_accum=plan.start_accum,
+            ramp_frac=plan.ramp_frac,
+        )
+        steps, done, end, _, accums = simulate(clock, unit_s)
+        assert steps <= max_steps and done == 1.0, (budget_s, max_steps, speed)
+        assert end <= budget_s + unit_s * clock.accum and end > 0.85 * budget_s, (budget_s, max_steps, speed, end)
+        assert accums[0] == plan.start_accum < accums[-1] and accums == sorted(accums), (budget_s, max_steps, speed)
