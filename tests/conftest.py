@@ -18,22 +18,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB = 1024  # the synthetic chain's ids stay below this
 # the scored event's plan inputs: 32 B300 ranks, 10 minutes, the organizers' --max_steps 5000 and --seq_len 1024
-EVENT_SPEC = dict(
-    kind="cuda",
-    world_size=32,
-    budget_s=600.0,
-    max_steps=5000,
-    seq_len=1024,
-    vocab_size=32000,
-    batch_size=8,
-    micro_batch=None,
-    batch_tokens=None,
-    ramp_frac=0.0,
-    matmul_rate=2250e12,
-    efficiency=0.4,
-    memory_bytes=288 * 2**30,
-    bf16=True,
-)
+EVENT_SPEC = {
+    "kind": "cuda",
+    "world_size": 32,
+    "budget_s": 600.0,
+    "max_steps": 5000,
+    "seq_len": 1024,
+    "vocab_size": 32000,
+    "batch_size": 8,
+    "micro_batch": None,
+    "batch_tokens": None,
+    "ramp_frac": 0.0,
+    "matmul_rate": 2250e12,
+    "efficiency": 0.4,
+    "memory_bytes": 288 * 2**30,
+    "bf16": True,
+}
 
 
 @pytest.fixture
