@@ -61,15 +61,16 @@ def next_sync(step, last, step_s, log_every_s):
     return step + max(1, min(int(log_every_s / step_s), (last - step) // 2))
 
 
-def progress(step, last, end_forecast_s, end_s, cap_share, previous):
-    """Schedule progress of step (0-based): where the clock forecasts this step to end over where training ends (the
-    budget, or with a batch ramp the forecast end), or cap_share, the step cap's share (step + 1) / max_steps, whichever
-    is ahead; exactly 1 at the planned last step; never back. Time, so a slow stretch moves it smoothly; a run the cap
-    ends early is keyed to its steps, so it is deterministic. A ramp passes cap_share 0: its many small early steps
-    would run ahead of the clock."""
+def progress(step, last, end_forecast_s, start_s, end_s, cap_share, previous):
+    """Schedule progress of step (0-based): how far from start_s (the end of the compile step) to end_s (the budget, or
+    with a batch ramp the forecast end) the clock forecasts this step to end, or cap_share, the step cap's share
+    (step + 1) / max_steps, whichever is ahead; exactly 1 at the planned last step; never back. Time, so a slow stretch
+    moves it smoothly; a run the cap ends early is keyed to its steps, so it is deterministic. The schedule's time
+    starts after compilation, so a compile of any length leaves the whole schedule (stable phase, then decay) to the
+    steps that follow it. A ramp passes cap_share 0: its many small early steps would run ahead of the clock."""
     if step >= last:
         return 1.0
-    return min(1.0, max(previous, end_forecast_s / end_s, cap_share))
+    return min(1.0, max(previous, (end_forecast_s - start_s) / max(end_s - start_s, 1e-9), cap_share))
 
 
 def corrected_accum(step, max_steps, accum, steps_left):
@@ -103,7 +104,7 @@ class Clock:
         accum,
         log_every_s,
         may_replan,
-        planned_step_s=None,
+        planned_step_s,
         micro_tokens=1,
         val_every_s=0.0,
         val_until_s=0.0,
@@ -117,10 +118,11 @@ class Clock:
         self.may_replan, self.micro_tokens, self.notes = may_replan, micro_tokens, []
         self.start_accum = accum if start_accum is None else start_accum  # the ramp's first accumulation
         self.ramp_frac, self.progress_by_steps = ramp_frac, progress_by_steps
-        self.planned_unit_s = planned_step_s / accum if planned_step_s else None  # before any step is measured
+        self.planned_unit_s = planned_step_s / accum  # the plan's forecast, until step 2 measures one
         self.val_every_s, self.val_until_s = val_every_s, val_until_s  # periodic validation stops at val_until_s
         self.val_batches, self.val_tokens, self.val_token_s = val_batches, val_tokens, None
         self.unit_s, self.compile_s, self.last, self.sync_at = None, 0.0, max_steps - 1, 0
+        self.start_s = 0.0  # the schedule's time starts when the compile step ends
         self.end_s = budget_s  # forecast end of training: the budget, or sooner when the step cap binds
         self.prev_step, self.prev_elapsed, self.prev_paused = 0, 0.0, 0.0
         self.units, self.prev_units = 0, 0  # accumulation micro-steps begun in all, and at the last sync
@@ -129,8 +131,8 @@ class Clock:
 
     @property
     def step_s(self):
-        """Forecast seconds of the current step (None before one is measured)."""
-        return None if self.unit_s is None else self.unit_s * self.step_accum
+        """Forecast seconds of the current step: measured, or the plan's until a step is measured."""
+        return (self.unit_s or self.planned_unit_s) * self.step_accum
 
     def _say_once(self, key, note):
         if key not in self._said:
@@ -148,7 +150,8 @@ class Clock:
             self.done = (step + 1) / self.max_steps
         else:
             end_s, cap_share = (self.end_s, 0.0) if self.ramp_frac else (self.budget_s, (step + 1) / self.max_steps)
-            self.done = progress(step, self.last, self._end_forecast(step), end_s, cap_share, self.done)
+            forecast = self._end_forecast(step)
+            self.done = progress(step, self.last, forecast, self.start_s, end_s, cap_share, self.done)
         ramp = ramp_accum(self._end_forecast(step) / self.budget_s, self.start_accum, self.accum, self.ramp_frac)
         self.step_accum = max(self.step_accum, ramp)  # a forecast that moves back at a sync never shrinks the batch
         self.units += self.step_accum
@@ -156,7 +159,7 @@ class Clock:
 
     def _end_forecast(self, step):
         """When this step is forecast to end, in seconds on the clock."""
-        return self.prev_elapsed + (step - self.prev_step + 1) * (self.step_s or 0.0)
+        return self.prev_elapsed + (step - self.prev_step + 1) * self.step_s
 
     def _steps_left(self, elapsed, reserve_s, accum):
         """(steps that fit in the rest of the budget with this late accumulation, a real number; seconds they use)."""
@@ -222,7 +225,7 @@ class Clock:
         units = self.units - self.prev_units
         interval = (elapsed - self.prev_elapsed - (paused - self.prev_paused)) / max(units, 1)
         if step == 1:
-            self.compile_s = elapsed
+            self.compile_s = self.start_s = elapsed
         elif step > 1 and units:
             if self.unit_s is not None and interval > 3 * self.unit_s:
                 self.notes.append(
@@ -253,17 +256,14 @@ class Clock:
                     f"{new} so the budget fits in --max_steps"
                 )
                 self.accum = new
-        if self.unit_s is None:  # steps 0-1: planned from the plan's forecast, then from the compile step
-            unit_s = (
-                self.planned_unit_s if step == 0 and self.planned_unit_s else max(elapsed, 1e-3) / max(self.units, 1)
-            )
-            fit = int((self.budget_s - elapsed - reserve_s) / (unit_s * self.step_accum))
+        if self.unit_s is None:  # steps 0-1: the plan's forecast (the compile step says nothing of the steps after)
+            fit = int((self.budget_s - elapsed - reserve_s) / self.step_s)
         else:
             fit = int(self._steps_left(elapsed, reserve_s, self.accum)[0])
         planned = last_step(step, fit, elapsed, self.budget_s, reserve_s, self.max_steps, self.last)
         if planned is None:
             return "time_limit" if step > 0 else None
-        self.last = planned  # before the first measured step, planned from the compile step: early, never late
+        self.last = planned
         if self.unit_s is None:
             self.sync_at = step + 1  # steps 0-1: compile time, then the first measured step
         else:

@@ -21,12 +21,14 @@ def test_last_step_fills_the_budget_and_the_planned_last_step_always_starts_insi
 
 
 def test_progress_follows_the_clock_or_the_step_cap_and_is_one_at_the_last_step():
-    assert C.progress(9, 99, end_forecast_s=30.0, end_s=60.0, cap_share=0.01, previous=0.0) == 0.5
-    assert C.progress(9, 99, end_forecast_s=3.0, end_s=60.0, cap_share=10 / 20, previous=0.0) == 0.5  # the cap's
-    assert C.progress(9, 99, end_forecast_s=15.0, end_s=30.0, cap_share=0.0, previous=0.0) == 0.5  # a ramp's end
-    assert C.progress(9, 99, end_forecast_s=3.0, end_s=60.0, cap_share=0.01, previous=0.7) == 0.7  # never back
-    assert C.progress(99, 99, end_forecast_s=3.0, end_s=60.0, cap_share=0.01, previous=0.0) == 1.0
-    assert C.progress(9, 99, end_forecast_s=90.0, end_s=60.0, cap_share=0.01, previous=0.0) == 1.0
+    assert C.progress(9, 99, start_s=0.0, end_forecast_s=30.0, end_s=60.0, cap_share=0.01, previous=0.0) == 0.5
+    assert C.progress(9, 99, start_s=0.0, end_forecast_s=3.0, end_s=60.0, cap_share=10 / 20, previous=0.0) == 0.5  # the cap's
+    assert C.progress(9, 99, start_s=0.0, end_forecast_s=15.0, end_s=30.0, cap_share=0.0, previous=0.0) == 0.5  # a ramp's end
+    assert C.progress(9, 99, start_s=0.0, end_forecast_s=3.0, end_s=60.0, cap_share=0.01, previous=0.7) == 0.7  # never back
+    assert C.progress(99, 99, start_s=0.0, end_forecast_s=3.0, end_s=60.0, cap_share=0.01, previous=0.0) == 1.0
+    # the schedule's time starts when the compile step ends: a 40 s compile, then half of the 20 s left
+    assert C.progress(9, 99, start_s=40.0, end_forecast_s=50.0, end_s=60.0, cap_share=0.01, previous=0.0) == 0.5
+    assert C.progress(9, 99, start_s=0.0, end_forecast_s=90.0, end_s=60.0, cap_share=0.01, previous=0.0) == 1.0
 
 
 def test_next_sync_follows_the_cadence_and_halves_toward_the_end():
@@ -80,7 +82,16 @@ def simulate(clock, unit_s, batch_s=0.0, stall=None):
 def test_clock_ends_at_the_floor_inside_the_budget_with_validation_and_a_stall():
     for kwargs in [{}, {"batch_s": 0.1}, {"stall": (300, 8.0)}, {"batch_s": 0.05, "stall": (1000, 20.0)}]:
         clock = C.Clock(
-            60.0, 10**6, 1, 1.0, may_replan=False, val_every_s=5.0, val_until_s=36.0, val_batches=10, val_tokens=10
+            60.0,
+            10**6,
+            1,
+            1.0,
+            may_replan=False,
+            planned_step_s=0.02,
+            val_every_s=5.0,
+            val_until_s=36.0,
+            val_batches=10,
+            val_tokens=10,
         )
         steps, done, end, paused, _ = simulate(clock, 0.02, **kwargs)
         assert done == 1.0 and end <= 60.0 + 0.02, kwargs  # the last step ran at the floor, inside the budget
@@ -88,20 +99,38 @@ def test_clock_ends_at_the_floor_inside_the_budget_with_validation_and_a_stall()
         assert paused <= C.VAL_SHARE * 60.0 + 1e-9, kwargs  # validation kept to its share
 
 
+@pytest.mark.parametrize("compile_share", [0.1, 0.33, 0.5, 0.7])
+@pytest.mark.parametrize("step_s", [0.1336, 0.0668, 0.2672])
+def test_a_long_compile_leaves_the_whole_schedule_to_the_steps_after_it(compile_share, step_s):
+    """The event's numbers (600 s, cap 5000, accumulation 3, 133.6 ms forecast; measured as forecast, or 2x off either
+    way) with a first step of 10-70% of the budget: the schedule's time starts when the compile step ends, so the
+    stable phase (progress < 0.6 at the default 0.4 decay) and the decay each get their share of the steps after it,
+    and the last is at the floor."""
+    clock = C.Clock(600.0, 5000, 3, 1.0, may_replan=True, planned_step_s=0.1336)
+    seen, begin = [], clock.begin_step
+    clock.begin_step = lambda step: seen.append(begin(step)) or seen[-1]
+    steps, done, end, _, _ = simulate(clock, step_s / 3, stall=(0, compile_share * 600.0))
+    after = [p for p, _ in seen[1:]]
+    assert after[0] < 0.01 and done == 1.0 and steps <= 5000 and end <= 600.0 + step_s, (after[:3], steps, end)
+    stable = sum(p < 0.6 for p in after) / len(after)
+    assert 0.55 < stable < 0.65 and end > 600.0 - 2 * step_s, (stable, end)
+    assert steps > 0.7 * min((1 - compile_share) * 600.0 / step_s, 5000), steps
+
+
 def test_a_validation_that_would_break_the_budget_is_shrunk_or_skipped_before_it_runs():
     # 1,000 batches of 10,000 tokens; a training token takes 2e-4 s, so a batch is forecast at 0.5 x 2e-4 x 10,000
     # = 1 s, and takes that; a 60 s budget and 7 validations give each 10% x 60 / 7 = 0.86 s: none runs
-    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=False, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=False, planned_step_s=0.02, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
     clock.val_batches, clock.val_tokens = 1000, 10**7
     steps, done, end, paused, _ = simulate(clock, 0.02, batch_s=1.0)
     assert paused == 0.0 and done == 1.0 and end > 59.9 and any("skipped" in n for n in clock.notes)
     # a forecast 10x too low: the first validation overruns its share, the rest are planned from the measurement
-    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=False, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=False, planned_step_s=0.02, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
     clock.val_batches, clock.val_tokens = 1000, 10**6
     steps, done, end, paused, _ = simulate(clock, 0.02, batch_s=0.5)
     assert done == 1.0 and end <= 60.02 and paused <= 2 * C.VAL_SHARE * 60.0
     # before any validation is measured, its cost is forecast from the step time
-    clock = C.Clock(60.0, 10**6, 4, 1.0, may_replan=False, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock = C.Clock(60.0, 10**6, 4, 1.0, may_replan=False, planned_step_s=0.02, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
     clock.val_batches, clock.val_tokens, clock.unit_s = 1000, 100_000, 0.01  # 1e-4 s/train token: 5e-3 s a batch
     assert clock.validation_batches(elapsed=5.0, last_val=0.0) == int(6.0 / 7 / (C.VAL_TOKEN_COST * 1e-4 * 100))
     assert [n for n in clock.notes if "171 of 1000 batches" in n]
@@ -113,7 +142,7 @@ def test_a_validation_that_would_break_the_budget_is_shrunk_or_skipped_before_it
 
 
 def test_clock_raises_accumulation_when_steps_would_run_out_before_the_budget():
-    clock = C.Clock(60.0, 500, 1, 1.0, may_replan=True)
+    clock = C.Clock(60.0, 500, 1, 1.0, may_replan=True, planned_step_s=0.02)
     steps, done, end, _, _ = simulate(clock, 0.02)  # 3000 steps would fit, only 500 are allowed
     assert 6 <= clock.accum <= 9 and steps <= 500 and done == 1.0 and end > 0.9 * 60.0
 
@@ -121,7 +150,7 @@ def test_clock_raises_accumulation_when_steps_would_run_out_before_the_budget():
 def test_a_tight_step_cap_uses_the_budget_from_the_first_measured_step():
     # the organizers' kind of cap on a tiny budget: 8 steps, each a seventh of the budget or more
     for unit_s in (0.5, 1.0, 2.3, 3.9):
-        clock = C.Clock(30.0, 8, 1, 1.0, may_replan=True)
+        clock = C.Clock(30.0, 8, 1, 1.0, may_replan=True, planned_step_s=1.0)
         steps, done, end, _, _ = simulate(clock, unit_s)
         assert steps <= 8 and done == 1.0, unit_s
         assert 0.9 * 30.0 <= end <= 30.0 + unit_s * clock.accum, (unit_s, end, clock.accum)
