@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import math
 import os
 import stat
 import subprocess
@@ -36,13 +37,15 @@ class Run:
 
     hp: object  # train.Hyperparameters, resolved: no "auto" left (None where the plan decided)
     plan: RunPlan
-    budget_s: float
+    budget_s: float  # the plan's; the clock's is agreed from `deadline` right before it starts
+    deadline: float  # unix seconds by which training ends (inf outside SLURM), the same on every rank
     rank: int
     world: int
     device: torch.device
     raw_model: torch.nn.Module
     model: torch.nn.Module  # raw_model, or its DDP wrapper
     optimizers: list
+    eager_runs: "EagerRuns"
     loader: BatchLoader
     val: list
     config: dict  # what checkpoints store: the hyperparameters, the plan and model.py's config
@@ -61,9 +64,11 @@ def launch(hp, model_switches, stop_signal, say):
         fail(f"error: {e}")
     hp = resolve(hp, world)
     device = init_device(hp, local_rank, world)
-    budget_s = training_budget(hp, rank, device, world, say)  # first: the plan is made for the budget the run gets
+    deadline = training_deadline(hp, rank, device, world)
+    budget_s = budget_until(deadline, hp)  # first: the plan is made for the budget the run gets
     hp, data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, budget_s, say)
-    raw_model, model, optimizers = build_model(hp, plan, model_switches, device, world)
+    eager_runs = EagerRuns(say, fail_on_miss=hp.on_recompile == "fail")
+    raw_model, model, optimizers = build_model(hp, plan, model_switches, device, world, eager_runs)
     config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(raw_model.config)}
     checkpointer = Checkpointer(hp.checkpoint_path)
     error, saved_unix = None, 0.0
@@ -89,12 +94,14 @@ def launch(hp, model_switches, stop_signal, say):
         hp=hp,
         plan=plan,
         budget_s=budget_s,
+        deadline=deadline,
         rank=rank,
         world=world,
         device=device,
         raw_model=raw_model,
         model=model,
         optimizers=optimizers,
+        eager_runs=eager_runs,
         loader=loader,
         val=val,
         config=config,
@@ -156,7 +163,7 @@ def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
     return hp, data, val, plan, loader, metrics
 
 
-def build_model(hp, plan, model_switches, device, world):
+def build_model(hp, plan, model_switches, device, world, eager_runs):
     """(the plain model, what the loop calls: compiled per block and DDP-wrapped as configured, optimizers)."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -183,6 +190,9 @@ def build_model(hp, plan, model_switches, device, world):
         # then fails before DDP's reducer expects a backward, and train.first_compiled_step can go on eagerly
         torch._functorch.config.force_non_lazy_backward_lowering = True
         raw_model.compile_per_block()
+        for block in raw_model.blocks:  # what nn.Module.compile installed, called by block(...)
+            block._compiled_call_impl = eager_runs.wrap(block._compiled_call_impl)
+        raw_model.chunk_loss = eager_runs.wrap(raw_model.chunk_loss)
     model = raw_model
     if world > 1:
         model = DDP(
@@ -191,6 +201,31 @@ def build_model(hp, plan, model_switches, device, world):
         if hp.grad_reduce == "bf16":
             model.register_comm_hook(None, bf16_grad_hook)
     return raw_model, model, optimizers
+
+
+class EagerRuns:
+    """After step 0 the stance is fail_on_recompile: a compiled region whose guards miss (a new input shape, a changed
+    guard) raises before it runs anything; that call then runs eagerly (2-3x slower, but no recompile on the clock),
+    said once and counted for the summary. With --on_recompile fail the error stands."""
+
+    def __init__(self, say, fail_on_miss):
+        self.say, self.fail_on_miss, self.count = say, fail_on_miss, 0
+
+    def wrap(self, compiled):
+        def call(*args, **kwargs):
+            try:
+                return compiled(*args, **kwargs)
+            except RuntimeError as e:
+                if self.fail_on_miss or "Detected recompile" not in str(e):
+                    raise
+                miss = " ".join(str(e).split())[:300]
+            self.count += 1
+            if self.count == 1:
+                self.say(f"warning: a compiled graph's guards missed after step 0; it runs eagerly, slower ({miss})")
+            with torch.compiler.set_stance("force_eager"):
+                return compiled(*args, **kwargs)
+
+        return call
 
 
 def resolve(hp, world):
@@ -431,20 +466,37 @@ def slurm_end_time():
         return None
 
 
-def training_budget(hp, rank, device, world, say):
-    """Seconds of training: --time_limit_min, shrunk to end --slurm_reserve_s before the SLURM wall. Agreed."""
-    budget = hp.time_limit_min * 60.0
+def training_deadline(hp, rank, device, world):
+    """The unix time training ends by: --slurm_reserve_s before the SLURM job's end (inf outside SLURM), read once by
+    rank 0 and broadcast, so that every rank derives its budget from one absolute time."""
     end = slurm_end_time() if rank == 0 else None
-    if end is not None and end - time.time() - hp.slurm_reserve_s < budget:
-        budget = max(end - time.time() - hp.slurm_reserve_s, 1.0)
-        say(
-            f"budget: {budget:.0f} s, not {hp.time_limit_min:g} min: the SLURM job ends in "
-            f"{end - time.time():.0f} s and the final save and exit keep {hp.slurm_reserve_s:g} s"
-        )
-    agreed = torch.tensor([budget], device=device)
+    deadline = math.inf if end is None else end - hp.slurm_reserve_s
+    agreed = torch.tensor([deadline], dtype=torch.float64, device=device)
     if world > 1:
         dist.broadcast(agreed, src=0)
     return agreed.item()
+
+
+def budget_until(deadline, hp):
+    """Seconds of training from now: --time_limit_min, or less when the deadline comes first (at least one)."""
+    return max(min(hp.time_limit_min * 60.0, deadline - time.time()), 1.0)
+
+
+def agreed_budget(run):
+    """The clock's budget, taken right before it starts: the work before it (checks, plan, model, step-0 save, warm
+    collectives: tens of seconds at the event) comes out of the time to the deadline, never out of the reserve the
+    final save needs. The smallest over ranks."""
+    budget = torch.tensor([budget_until(run.deadline, run.hp)], dtype=torch.float64, device=run.device)
+    if run.world > 1:
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    budget_s = budget.item()
+    if budget_s < run.hp.time_limit_min * 60.0:
+        run.say(
+            f"budget: {budget_s:.0f} s, not {run.hp.time_limit_min:g} min: the SLURM job ends in "
+            f"{run.deadline + run.hp.slurm_reserve_s - time.time():.0f} s and the final save and exit keep "
+            f"{run.hp.slurm_reserve_s:g} s"
+        )
+    return budget_s
 
 
 def bf16_grad_hook(state, bucket):

@@ -22,9 +22,15 @@ def test_last_step_fills_the_budget_and_the_planned_last_step_always_starts_insi
 
 def test_progress_follows_the_clock_or_the_step_cap_and_is_one_at_the_last_step():
     assert C.progress(9, 99, start_s=0.0, end_forecast_s=30.0, end_s=60.0, cap_share=0.01, previous=0.0) == 0.5
-    assert C.progress(9, 99, start_s=0.0, end_forecast_s=3.0, end_s=60.0, cap_share=10 / 20, previous=0.0) == 0.5  # the cap's
-    assert C.progress(9, 99, start_s=0.0, end_forecast_s=15.0, end_s=30.0, cap_share=0.0, previous=0.0) == 0.5  # a ramp's end
-    assert C.progress(9, 99, start_s=0.0, end_forecast_s=3.0, end_s=60.0, cap_share=0.01, previous=0.7) == 0.7  # never back
+    assert (
+        C.progress(9, 99, start_s=0.0, end_forecast_s=3.0, end_s=60.0, cap_share=10 / 20, previous=0.0) == 0.5
+    )  # the cap's
+    assert (
+        C.progress(9, 99, start_s=0.0, end_forecast_s=15.0, end_s=30.0, cap_share=0.0, previous=0.0) == 0.5
+    )  # a ramp's end
+    assert (
+        C.progress(9, 99, start_s=0.0, end_forecast_s=3.0, end_s=60.0, cap_share=0.01, previous=0.7) == 0.7
+    )  # never back
     assert C.progress(99, 99, start_s=0.0, end_forecast_s=3.0, end_s=60.0, cap_share=0.01, previous=0.0) == 1.0
     # the schedule's time starts when the compile step ends: a 40 s compile, then half of the 20 s left
     assert C.progress(9, 99, start_s=40.0, end_forecast_s=50.0, end_s=60.0, cap_share=0.01, previous=0.0) == 0.5
@@ -120,17 +126,23 @@ def test_a_long_compile_leaves_the_whole_schedule_to_the_steps_after_it(compile_
 def test_a_validation_that_would_break_the_budget_is_shrunk_or_skipped_before_it_runs():
     # 1,000 batches of 10,000 tokens; a training token takes 2e-4 s, so a batch is forecast at 0.5 x 2e-4 x 10,000
     # = 1 s, and takes that; a 60 s budget and 7 validations give each 10% x 60 / 7 = 0.86 s: none runs
-    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=False, planned_step_s=0.02, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock = C.Clock(
+        60.0, 10**6, 1, 1.0, may_replan=False, planned_step_s=0.02, micro_tokens=100, val_every_s=5.0, val_until_s=36.0
+    )
     clock.val_batches, clock.val_tokens = 1000, 10**7
     steps, done, end, paused, _ = simulate(clock, 0.02, batch_s=1.0)
     assert paused == 0.0 and done == 1.0 and end > 59.9 and any("skipped" in n for n in clock.notes)
     # a forecast 10x too low: the first validation overruns its share, the rest are planned from the measurement
-    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=False, planned_step_s=0.02, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock = C.Clock(
+        60.0, 10**6, 1, 1.0, may_replan=False, planned_step_s=0.02, micro_tokens=100, val_every_s=5.0, val_until_s=36.0
+    )
     clock.val_batches, clock.val_tokens = 1000, 10**6
     steps, done, end, paused, _ = simulate(clock, 0.02, batch_s=0.5)
     assert done == 1.0 and end <= 60.02 and paused <= 2 * C.VAL_SHARE * 60.0
     # before any validation is measured, its cost is forecast from the step time
-    clock = C.Clock(60.0, 10**6, 4, 1.0, may_replan=False, planned_step_s=0.02, micro_tokens=100, val_every_s=5.0, val_until_s=36.0)
+    clock = C.Clock(
+        60.0, 10**6, 4, 1.0, may_replan=False, planned_step_s=0.02, micro_tokens=100, val_every_s=5.0, val_until_s=36.0
+    )
     clock.val_batches, clock.val_tokens, clock.unit_s = 1000, 100_000, 0.01  # 1e-4 s/train token: 5e-3 s a batch
     assert clock.validation_batches(elapsed=5.0, last_val=0.0) == int(6.0 / 7 / (C.VAL_TOKEN_COST * 1e-4 * 100))
     assert [n for n in clock.notes if "171 of 1000 batches" in n]

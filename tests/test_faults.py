@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +16,19 @@ import torch
 
 import data
 
-from conftest import SHAPE, TINY, VOCAB, child_env, command, first_row, on_tokens, read_metrics, run_train, step_seconds
+from conftest import (
+    SHAPE,
+    TINY,
+    TRAIN,
+    VOCAB,
+    child_env,
+    command,
+    first_row,
+    on_tokens,
+    read_metrics,
+    run_train,
+    step_seconds,
+)
 from eval import load_checkpoint
 
 # ----------------------------------------------------------------------- user errors: one sentence, nothing written
@@ -168,15 +181,27 @@ def test_a_frozen_process_is_logged_as_a_stall_and_the_decay_still_finishes(tmp_
 
 
 @pytest.mark.slow
-def test_the_budget_ends_before_the_slurm_wall(tmp_path):
-    env = {**child_env(), "SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(int(time.time()) + 40)}
+def test_the_budget_ends_before_the_slurm_wall_measured_from_the_deadline(tmp_path):
+    """A pre-clock phase slowed by 8 s (as a slow step-0 save or a long model build would): training still ends
+    --slurm_reserve_s before the job's end, because the budget is taken from the deadline when the clock starts."""
+    end = int(time.time()) + 45
+    env = {**child_env(), "SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(end)}
     args = synthetic_time_run(tmp_path, ["--val_tokens", "8192", "--slurm_reserve_s", "25"], budget_min=10)
-    proc = subprocess.run(command(args, 1), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    slowed = (
+        f"import sys, time; sys.path.insert(0, {str(TRAIN.parent)!r}); import launch, train; "
+        "build = launch.build_model; launch.build_model = lambda *a: (time.sleep(8), build(*a))[1]; "
+        f"train.main({args!r})"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", slowed], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the SLURM job ends in" in proc.stdout
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    assert summary["budget_s"] < 15 and summary["train_s"] <= summary["budget_s"] + step_seconds(rows) + 1.0
-    assert summary["final_lr_frac"] == 0.0 and summary["stop_reason"] == "time_limit"
+    step_s = step_seconds(rows)
+    assert summary["clock_start_unix"] + summary["train_s"] <= end - 25 + step_s + 1.0, (summary, step_s)
+    assert summary["budget_s"] < 20 - 8 + 1 and summary["final_lr_frac"] == 0.0
+    assert summary["stop_reason"] == "time_limit"
 
 
 # ----------------------------------------------------------------------------- bad data mid-run, full disk, two runs
