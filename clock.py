@@ -15,7 +15,9 @@ STEP_HEADROOM x max_steps. Pure arithmetic, no sleeping.
 
 import math
 
-STEP_HEADROOM = 0.9  # plan at most this fraction of --max_steps: a 10% faster device still ends on the clock
+# plan at most this fraction of --max_steps: a device 5% faster in the second half of the run (after the last replan)
+# still ends on the clock, not on the cap; the last step is planned exactly, so no more slack is needed
+STEP_HEADROOM = 0.95
 # periodic validations together take at most VAL_SHARE of the budget, the final one FINAL_VAL_SHARE; before one is
 # measured, a validation token is forecast to cost VAL_TOKEN_COST training tokens (a forward is a third of the FLOPs,
 # run eagerly and unfused)
@@ -23,6 +25,10 @@ VAL_SHARE = 0.1
 FINAL_VAL_SHARE = 0.25
 VAL_TOKEN_COST = 0.5
 FILL_SLACK = 0.02  # a replan takes the smallest accumulation whose whole steps fill the rest of the budget within this
+# a device slower than forecast: when the run would end with fewer than SHORT_OF_CAP of the steps the cap allows, the
+# accumulation goes down to the smallest whose steps stay DOWN_MARGIN inside the cap (a faster stretch still fits)
+SHORT_OF_CAP = 0.9
+DOWN_MARGIN = 0.05
 
 
 def ramp_accum(progress, start_accum, late_accum, ramp_frac):
@@ -73,15 +79,22 @@ def progress(step, last, end_forecast_s, start_s, end_s, cap_share, previous):
     return min(1.0, max(previous, (end_forecast_s - start_s) / max(end_s - start_s, 1e-9), cap_share))
 
 
-def corrected_accum(step, max_steps, accum, steps_left):
-    """The late accumulation whose steps fit in STEP_HEADROOM x max_steps and whose whole steps fill the rest of the
-    budget, or None when the current one already fits. steps_left(accum) -> (steps that fit, a real number; seconds
-    those whole steps use). The smallest that fits is taken unless a larger one fills more than FILL_SLACK more of the
-    rest: with few steps left the rounding matters (29 s and 5 steps of 0.5 s per accumulation take 11, not 10), with
-    many, more steps matter (an early replan once took 9 for 5 to fill 1% more, and trained 20 steps, not 37)."""
+def replanned_accum(step, max_steps, accum, min_accum, steps_left):
+    """The late accumulation for the measured speed, or None to keep the current one. steps_left(accum) -> (steps that
+    fit, a real number; seconds those whole steps use). Up, when the steps would overrun STEP_HEADROOM x max_steps: the
+    smallest that fits, unless a larger one fills more than FILL_SLACK more of the rest (with few steps left the
+    rounding matters: 29 s and 5 steps of 0.5 s per accumulation take 11, not 10; with many, more steps matter: an
+    early replan once took 9 for 5 to fill 1% more, and trained 20 steps, not 37). Down, never below min_accum, when
+    the run would end short of the cap (SHORT_OF_CAP): among those with more whole steps that stay DOWN_MARGIN inside
+    it, the smallest, by the same fill rule."""
     available = max(int(STEP_HEADROOM * max_steps) - step, 1)
     if int(steps_left(accum)[0]) <= available:
-        return None
+        steps = steps_left(accum)[0]
+        if steps >= SHORT_OF_CAP * available:
+            return None
+        room = [a for a in range(min_accum, accum) if int(steps) < steps_left(a)[0] <= (1 - DOWN_MARGIN) * available]
+        used = {new: steps_left(new)[1] for new in room if int(steps_left(new)[0]) > int(steps)}
+        return min((new for new in used if used[new] >= (1 - FILL_SLACK) * max(used.values())), default=None)
     smallest = accum + 1
     while int(steps_left(smallest)[0]) > available:
         smallest = max(smallest + 1, math.ceil(smallest * steps_left(smallest)[0] / (available + 1)))
@@ -93,9 +106,9 @@ def corrected_accum(step, max_steps, accum, steps_left):
 
 class Clock:
     """The loop's time keeping, fed at every host sync with numbers all ranks agree on, so they decide alike:
-    the steady micro-step time (pauses taken out), what the periodic validations still to come may take, raising the
-    late accumulation (in the first half, only upward) when the step cap would end the run before the budget, the
-    last step and the next sync."""
+    the steady micro-step time (pauses taken out), what the periodic validations still to come may take, the late
+    accumulation (replanned both ways in the first half of the budget, so that a binding step cap is filled, never
+    overrun), the last step and the next sync."""
 
     def __init__(
         self,
@@ -111,12 +124,14 @@ class Clock:
         val_batches=0,
         val_tokens=0,
         start_accum=None,
+        min_accum=1,
         ramp_frac=0.0,
         progress_by_steps=False,
     ):
         self.budget_s, self.max_steps, self.accum, self.log_every_s = budget_s, max_steps, accum, log_every_s
         self.may_replan, self.micro_tokens, self.notes = may_replan, micro_tokens, []
         self.start_accum = accum if start_accum is None else start_accum  # the ramp's first accumulation
+        self.min_accum = min(min_accum, accum)  # a replan never goes below the recipe's batch
         self.ramp_frac, self.progress_by_steps = ramp_frac, progress_by_steps
         self.planned_unit_s = planned_step_s / accum  # the plan's forecast, until step 2 measures one
         self.val_every_s, self.val_until_s = val_every_s, val_until_s  # periodic validation stops at val_until_s
@@ -246,16 +261,18 @@ class Clock:
             future_vals = max(math.ceil((self.val_until_s - elapsed) / self.val_every_s), 0)
             reserve_s = future_vals * self._batches_per_validation()[1]
         if self.may_replan and self.unit_s is not None and elapsed < self.budget_s / 2:
-            # the device is faster than the plan: accumulate more so the step cap does not end the run early
-            new = corrected_accum(
-                step, self.max_steps, self.accum, lambda accum: self._steps_left(elapsed, reserve_s, accum)
+            # the device is not the forecast: the accumulation follows it, so the run ends near the step cap's steps
+            floor = self.accum if self.ramp_frac else self.min_accum  # a ramp plans its own growth: only up
+            new = replanned_accum(
+                step, self.max_steps, self.accum, floor, lambda a: self._steps_left(elapsed, reserve_s, a)
             )
             if new is not None:
+                why = "the budget fits in --max_steps" if new > self.accum else "the steps fill --max_steps"
                 self.notes.append(
                     f"replan: {self.unit_s * self.accum * 1e3:.4g} ms/step measured; accumulation {self.accum} -> "
-                    f"{new} so the budget fits in --max_steps"
+                    f"{new} so {why}"
                 )
-                self.accum = new
+                self.accum, self.step_accum = new, min(self.step_accum, new)
         if self.unit_s is None:  # steps 0-1: the plan's forecast (the compile step says nothing of the steps after)
             fit = int((self.budget_s - elapsed - reserve_s) / self.step_s)
         else:

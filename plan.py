@@ -49,6 +49,10 @@ MIN_TOKENS_PER_STEP = {"cuda": 524288, "cpu": 2048}
 MAX_MICRO_TOKENS = {"cuda": 32768, "cpu": 8192}
 PEAK_BF16_TFLOPS = {"B300": 2250, "B200": 2250, "H200": 989, "H100": 989, "A100": 312}  # dense, per GPU
 BYTES_PER_PARAM = 16  # fp32 weight + grad + two AdamW moments (Muon keeps one): the upper bound
+# when the step cap forces the batch, split it into at least this many accumulation micro-steps: the clock can then
+# give steps back in 1/6 increments if the device is slower than forecast (only the accumulation moves after step 0:
+# a new micro-batch is a new compiled graph)
+FORCED_SPLIT = 6
 
 
 @dataclasses.dataclass
@@ -65,6 +69,7 @@ class RunPlan:
     tokens_per_step: int  # global, per optimizer step (after the batch ramp, if any)
     micro_batch: int  # sequences per device per forward/backward
     grad_accum_steps: int  # after the ramp
+    min_accum: int  # the smallest the clock may replan to: the recipe's minimum tokens per step at this micro-batch
     start_accum: int  # the first step's: the recipe's batch when the cap binds and the ramp runs, else grad_accum_steps
     ramp_frac: float  # fraction of the budget over which the accumulation grows from start_accum; 0: no ramp
     ramp_steps: int  # forecast steps during the ramp
@@ -127,13 +132,14 @@ def memory_needed(costs, shape, micro_batch, seq_len, bf16):
     return costs["params"] * BYTES_PER_PARAM + micro_batch * seq_len * per_token
 
 
-def _micro_and_accum(costs, shape, seqs, *, kind, seq_len, batch_size, micro_batch, memory_bytes, bf16):
-    """(sequences per device per forward, accumulation) for seqs sequences per device per step."""
+def _micro_and_accum(costs, shape, seqs, *, kind, seq_len, batch_size, micro_batch, memory_bytes, bf16, split=1):
+    """(sequences per device per forward, accumulation) for seqs sequences per device per step, in at least `split`
+    micro-steps where --batch_size allows."""
     if micro_batch is None:
         cap = max(1, MAX_MICRO_TOKENS[kind] // seq_len)
         while cap > 1 and memory_needed(costs, shape, cap, seq_len, bf16) > memory_bytes:
             cap //= 2
-        accum = math.ceil(seqs / max(cap, batch_size))
+        accum = max(math.ceil(seqs / max(cap, batch_size)), min(split, seqs // batch_size))
         return max(batch_size, math.ceil(seqs / accum)), accum
     return micro_batch, math.ceil(seqs / micro_batch)
 
@@ -159,7 +165,9 @@ def _step_batches(costs, shape, tokens_per_s, world_size, budget_s, max_steps, b
             micro_batch, start_accum = _micro_and_accum(costs, shape, recipe_seqs, **sizing)
             unit_s = world_size * micro_batch * seq_len / tokens_per_s
             return micro_batch, start_accum, late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps)
-    micro_batch, accum = _micro_and_accum(costs, shape, math.ceil(batch_tokens / (world_size * seq_len)), **sizing)
+    forced = batch_tokens > MIN_TOKENS_PER_STEP[kind] and sizing["micro_batch"] is None
+    seqs = math.ceil(batch_tokens / (world_size * seq_len))
+    micro_batch, accum = _micro_and_accum(costs, shape, seqs, **sizing, split=FORCED_SPLIT if forced else 1)
     return micro_batch, accum, accum
 
 
@@ -207,6 +215,7 @@ def _shape_plan(
         tokens_per_step=tokens_per_step,
         micro_batch=micro_batch,
         grad_accum_steps=accum,
+        min_accum=min(accum, max(1, math.ceil(MIN_TOKENS_PER_STEP[kind] / (world_size * micro_batch * seq_len)))),
         start_accum=start_accum,
         ramp_frac=ramp,
         ramp_steps=int(steps_between(0.0, ramp * budget_s, step_s / accum, start_accum, accum, ramp * budget_s))

@@ -396,6 +396,7 @@ def make_clock(run, budget_s):
         val_batches=len(run.val),
         val_tokens=sum(y.numel() for _, y in run.val),
         start_accum=plan.start_accum,
+        min_accum=plan.min_accum,
         ramp_frac=plan.ramp_frac,
         progress_by_steps=hp.progress_by == "steps",
     )

@@ -55,17 +55,24 @@ def test_steps_between_integrates_the_ramp():
     assert [C.ramp_accum(p, 1, 5, 0.2) for p in (0.0, 0.05, 0.1, 0.19, 0.2, 0.9)] == [1, 2, 3, 5, 5, 5]
 
 
-def test_accumulation_is_raised_once_the_device_proves_faster_than_forecast():
-    # 500 s left at 0.05 s/step (accumulation 4) = 10,000 steps, but only 0.9 x 5000 - 100 fit: ~2.3x more
+def test_accumulation_is_replanned_both_ways_once_the_device_is_measured():
+    # 500 s left at 0.05 s/step (accumulation 4) = 10,000 steps, but only 0.95 x 5000 - 100 fit: ~2.15x more
     def steps_left(accum, unit_s=0.05 / 4, remaining=500.0):
         steps = remaining / (unit_s * accum)
         return steps, remaining - (steps - int(steps)) * unit_s * accum
 
-    assert C.corrected_accum(step=100, max_steps=5000, accum=4, steps_left=steps_left) == 10  # ceil(4 x 10000 / 4400)
-    assert C.corrected_accum(step=100, max_steps=5000, accum=4, steps_left=lambda a: steps_left(a, 0.05)) is None
+    assert C.replanned_accum(100, 5000, 4, 1, steps_left) == 9  # ceil(4 x 10000 / 4650)
+    assert C.replanned_accum(100, 5000, 4, 1, lambda a: steps_left(a, 0.05)) == 3  # 2,500 of 4,650 -> 3,333 steps
     # an early replan: 293 s left at 1.54 s per accumulation and 39 steps; 5 fills 292.6 s in 38 steps, and a larger
     # one that fills a few tenths more with half the steps is not worth it
-    assert C.corrected_accum(step=2, max_steps=46, accum=2, steps_left=lambda a: steps_left(a, 1.54, 293.0)) == 5
+    assert C.replanned_accum(2, 46, 2, 1, lambda a: steps_left(a, 1.54, 293.0)) == 5
+    # slower than forecast: 500 s at 0.2 s per accumulation-6 step is 2,500 steps of the 4,650 the cap allows; the
+    # smallest accumulation whose steps stay 5% inside it: 500 / (4417 x 0.2 / 6) = 3.4 -> 4 (3,750 steps); never
+    # below the recipe's (min_accum), and no move when the run already ends within 90% of the cap
+    assert C.replanned_accum(100, 5000, 6, 2, lambda a: steps_left(a, 0.2 / 6)) == 4
+    assert C.replanned_accum(100, 5000, 6, 5, lambda a: steps_left(a, 0.2 / 6)) == 5
+    assert C.replanned_accum(100, 5000, 6, 6, lambda a: steps_left(a, 0.2 / 6)) is None
+    assert C.replanned_accum(100, 5000, 6, 1, lambda a: steps_left(a, 0.118 / 6)) is None  # 4,237 of 4,650
 
 
 def simulate(clock, unit_s, batch_s=0.0, stall=None):
@@ -204,3 +211,22 @@ def test_the_ramp_plan_never_exceeds_the_step_cap_over_budgets_speeds_and_caps(s
         assert steps <= max_steps and done == 1.0, (budget_s, max_steps, speed)
         assert end <= budget_s + unit_s * clock.accum and end > 0.85 * budget_s, (budget_s, max_steps, speed, end)
         assert accums[0] == plan.start_accum < accums[-1] and accums == sorted(accums), (budget_s, max_steps, speed)
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.5, 1.0, 2.0, 4.0])
+def test_the_forced_batch_follows_the_measured_speed_both_ways_at_the_event(speed, event_plan):
+    """The event's plan (600 s, cap 5000: 2,555,904 tokens/step = 32 x 13 x 1024 x 6) on a device `speed` x the
+    forecast: the accumulation moves (never below the recipe's batch), so the run trains >= 90% of the steps the cap
+    allows, or of what the budget allows at the recipe's batch when the cap stops binding; never above the cap, the
+    last step at the floor inside the budget."""
+    plan, _ = event_plan(model="l16w1024")
+    assert (plan.micro_batch, plan.grad_accum_steps, plan.min_accum) == (13, 6, 2)
+    unit_s = plan.step_s / plan.grad_accum_steps / speed
+    clock = C.Clock(
+        600.0, 5000, plan.grad_accum_steps, 1.0, may_replan=True, planned_step_s=plan.step_s, min_accum=plan.min_accum
+    )
+    steps, done, end, _, accums = simulate(clock, unit_s)
+    allowed = min(C.STEP_HEADROOM * 5000, 600.0 / (unit_s * plan.min_accum))
+    assert 0.9 * allowed <= steps <= 5000 and done == 1.0, (speed, steps, allowed, clock.notes)
+    assert 600.0 - 2 * unit_s * clock.accum < end <= 600.0 + unit_s * clock.accum, (speed, end)
+    assert min(accums) >= plan.min_accum
