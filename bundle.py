@@ -20,7 +20,8 @@ import pathlib
 import sys
 
 # each after the modules it imports
-PASTED = ["checkpoint", "clock", "plan", "windows", "shards", "synthetic", "prefetch", "data", "muon", "launch"]
+PASTED = ["checkpoint", "clock", "rollback", "plan", "windows", "shards", "synthetic", "prefetch", "data", "muon"]
+PASTED += ["launch"]
 SHIPPED = "model"  # next to train.py, so its imports stay
 REQUIREMENTS = ["torch", "numpy", "tqdm"]
 

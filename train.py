@@ -33,6 +33,7 @@ from tqdm import tqdm
 from model import GPTConfig
 from checkpoint import CheckpointError
 from clock import Clock
+from rollback import Guard
 from plan import AUTO_EFFICIENCY, MIN_TOKENS_PER_STEP, TOKENS_PER_PARAM, peak_flops
 from data import DataChanged
 from launch import agreed_budget, build_plan, fail, launch, resolve
@@ -406,6 +407,7 @@ def train(run):
     amp = torch.autocast(run.device.type, dtype=torch.bfloat16) if run.hp.autocast == "bf16" else nullcontext()
     clock = make_clock(run, agreed_budget(run))
     log, state = Logger(run, clock), LoopState()
+    guard = Guard(run.raw_model, run.optimizers, run.device, run.say)
     loss_sum = torch.zeros((), device=run.device)
     gc.collect()
     gc.disable()  # a collection pause on one rank stalls all of them
@@ -413,22 +415,23 @@ def train(run):
     state.clock_start_unix = time.time()
     while True:
         if clock.due(state.step):
-            state.stop_reason = host_sync(run, clock, log, state, loss_sum, time.perf_counter() - t0, amp)
+            state.stop_reason = host_sync(run, clock, log, state, guard, loss_sum, time.perf_counter() - t0, amp)
             if state.stop_reason:
                 break
-        step_loss = optimizer_step(run, clock, state, amp)
+        step_loss = optimizer_step(run, clock, state, guard, amp)
         if step_loss is None:
             break
         loss_sum += step_loss
     state.train_s = time.perf_counter() - t0
     gc.enable()
     run.loader.close()
-    finish(run, log, clock, amp, state)
+    finish(run, log, clock, amp, state, guard)
 
 
-def host_sync(run, clock, log, state, loss_sum, elapsed, amp):
-    """One all-reduce for the slowest rank's clock, its pauses and any stop signal; the metrics row, the clock's
-    decision, then what the clock plans into the pause: a background save, a validation. Returns the stop reason."""
+def host_sync(run, clock, log, state, guard, loss_sum, elapsed, amp):
+    """One all-reduce for the slowest rank's clock, its pauses and any stop signal; the metrics row, the divergence
+    test (a rollback), the clock's decision, then what it plans into the pause: a snapshot, a background save, a
+    validation. Returns the stop reason."""
     stats = torch.tensor([elapsed, state.paused, state.val_token_s, float(bool(run.stop_signal))], device=run.device)
     mean_loss = loss_sum / max(state.step - clock.prev_step, 1)
     if run.world > 1:
@@ -436,9 +439,13 @@ def host_sync(run, clock, log, state, loss_sum, elapsed, amp):
         dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
     elapsed, paused_all, val_token_s_all, signalled = stats.tolist()
     if state.step > clock.prev_step:
-        if not math.isfinite(mean_loss.item()):
-            return "non-finite loss"
-        log.row(state.step, state.tokens, elapsed, state.lr_frac, mean_loss.item())
+        loss = mean_loss.item()
+        if math.isfinite(loss):
+            log.row(state.step, state.tokens, elapsed, state.lr_frac, loss)
+        if why := guard.diverged(loss):
+            step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * clock.step_accum
+            if not guard.roll_back(state.step, why, batch_lr_scale(step_tokens, run.hp, run.device.type)):
+                return "diverged"
     stop_reason = "signal" if signalled else clock.sync(state.step, elapsed, paused_all, val_token_s_all)
     log.notes()
     if run.rank == 0:
@@ -446,7 +453,8 @@ def host_sync(run, clock, log, state, loss_sum, elapsed, amp):
     if stop_reason:
         return stop_reason
     loss_sum.zero_()
-    pause_start = time.perf_counter()  # validation and saves: planned by the clock, not steps
+    pause_start = time.perf_counter()  # snapshots, validation and saves: planned by the clock, not steps
+    guard.maybe_snapshot(state.step, elapsed)
     if run.rank == 0 and run.hp.save_every_min > 0 and elapsed - state.last_save >= run.hp.save_every_min * 60:
         log.failed_save()
         run.checkpointer.save(run.raw_model, log.meta(state.step, state.tokens), background=True)
@@ -461,13 +469,13 @@ def host_sync(run, clock, log, state, loss_sum, elapsed, amp):
     return None
 
 
-def optimizer_step(run, clock, state, amp):
+def optimizer_step(run, clock, state, guard, amp):
     """One optimizer step at the clock's progress and accumulation: its mean loss, or None when it stopped between
     micro-steps (its gradients dropped; state.stop_reason says why)."""
     done, accum = clock.begin_step(state.step)
     step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * accum
     state.lr_frac, momentum = schedule(done, run.hp)
-    lr_scale = batch_lr_scale(step_tokens, run.hp, run.device.type)
+    lr_scale = guard.lr_scale(batch_lr_scale(step_tokens, run.hp, run.device.type))
     for opt in run.optimizers:
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * state.lr_frac * lr_scale
@@ -545,17 +553,13 @@ def first_compiled_step(run, accum, amp):
     return step_loss, None
 
 
-def finish(run, log, clock, amp, state):
+def finish(run, log, clock, amp, state, guard):
     """After the clock: save first, then validate (a slow eval can never cost the checkpoint), then the summary.
-    A non-finite loss saves nothing: the last checkpoint keeps the last finite weights, and the exit code is 1."""
+    A run that diverged after its last rollback saves its last trusted snapshot, and exits 0."""
     hp, device, step, tokens, train_s = run.hp, run.device, state.step, state.tokens, state.train_s
-    if state.stop_reason == "non-finite loss":
-        run.say(
-            f"stopping: non-finite training loss at step {step}; {hp.checkpoint_path} keeps the last finite weights"
-        )
-        log.emit({"step": step, "elapsed_s": round(train_s, 3), "error": "non-finite loss"})
-        run.checkpointer.wait()
-        sys.exit(1)
+    if state.stop_reason == "diverged":
+        run.say(f"stopping: the loss diverged after {len(guard.rollbacks)} rollback(s)")
+    guard.restore_for_the_final_save(diverged=state.stop_reason == "diverged")
     saved = True
     if run.rank == 0:
         log.failed_save()
@@ -569,7 +573,7 @@ def finish(run, log, clock, amp, state):
     log.notes()
     val_loss = evaluate(run.raw_model, run.val[:val_batches], device, amp)
     log.emit({"step": step, "elapsed_s": round(train_s, 3), "tokens": tokens, "val_loss": val_loss})
-    summary = summary_row(run, clock, state, val_loss, val_batches)
+    summary = {**summary_row(run, clock, state, val_loss, val_batches), "rollbacks": guard.rollbacks}
     log.emit(summary)
     run.say(json.dumps(summary))
     log.close()

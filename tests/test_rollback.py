@@ -1,0 +1,127 @@
+"""Rollback: the divergence rule, the snapshot's round trip, the LR cuts; real runs in the slow tier."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rollback as R
+from conftest import TINY, TRAIN, child_env, command, read_metrics, on_tokens
+from eval import load_checkpoint
+from model import get_model
+from muon import build_optimizers
+
+
+def test_a_spike_must_last_two_syncs_and_a_non_finite_loss_is_at_once():
+    guard = R.Guard(None, [], torch.device("cpu"), print)
+    # a plateau at 4.0, noise, one high sync (5.2 > 4.0 + 1), back down: nothing
+    assert [guard.diverged(x) for x in (4.0, 4.0, 4.0, 4.9, 5.2, 4.1)] == [None] * 6
+    assert guard.diverged(5.3) is None and "nats above" in guard.diverged(5.4)  # two syncs in a row above 5.0
+    assert guard.diverged(float("nan")) == "non-finite loss" and guard.diverged(math.inf) == "non-finite loss"
+
+
+def small_model_and_optimizers():
+    torch.manual_seed(0)
+    model = get_model({"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 32})
+    return model, build_optimizers(model, use_muon=True, muon_lr=0.02, embed_lr=0.1, head_lr=0.01, scalar_lr=0.01)
+
+
+def train_steps(model, optimizers, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        idx = torch.randint(0, 64, (4, 16), generator=gen)
+        _, loss = model(idx, idx)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+
+
+def test_a_restored_snapshot_trains_on_exactly_as_from_the_step_it_was_taken():
+    model, optimizers = small_model_and_optimizers()
+    train_steps(model, optimizers, 3, seed=0)
+    guard = R.Guard(model, optimizers, torch.device("cpu"), print)
+    assert guard.maybe_snapshot(step=3, elapsed=1.0) and not guard.maybe_snapshot(step=4, elapsed=2.0)  # 30 s apart
+    train_steps(model, optimizers, 2, seed=1)
+    expected = [p.detach().clone() for p in model.parameters()]
+    train_steps(model, optimizers, 4, seed=2)  # the bad stretch, then NaN weights
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    assert guard.roll_back(step=9, why="test", batch_factor=1.0)
+    train_steps(model, optimizers, 2, seed=1)
+    assert all(torch.equal(a, p) for a, p in zip(expected, model.parameters()))
+
+
+def test_each_rollback_drops_the_batch_factor_first_then_halves_the_lr_and_they_run_out():
+    model, optimizers = small_model_and_optimizers()
+    train_steps(model, optimizers, 1, seed=0)
+    guard = R.Guard(model, optimizers, torch.device("cpu"), print)
+    assert not guard.roll_back(step=1, why="no snapshot yet", batch_factor=2.0)
+    guard.maybe_snapshot(step=1, elapsed=0.0)
+    scales = []
+    for step in range(R.MAX_ROLLBACKS):
+        assert guard.roll_back(step=2 + step, why="test", batch_factor=2.0)
+        scales.append(guard.lr_scale(2.0))
+    assert scales == [1.0, 0.5, 0.25][: R.MAX_ROLLBACKS] and guard.lr_scale(0.8) == 0.8 * 0.5 ** (R.MAX_ROLLBACKS - 1)
+    assert not guard.roll_back(step=9, why="used up", batch_factor=2.0) and len(guard.rollbacks) == R.MAX_ROLLBACKS
+
+
+STEPS = ["--max_steps", "150", "--time_limit_min", "10", "--log_every_s", "0", "--save_every_min", "0"]
+
+
+@pytest.mark.slow
+def test_lrs_that_diverge_roll_back_and_end_near_a_stable_run(tmp_path, token_dir):
+    # --head_lr 1 (125x the default): without rollback the loss ends above where it started (BENCHMARKS)
+    results = {}
+    for name, lrs in (("stable", []), ("diverging", ["--head_lr", "1"])):
+        out = tmp_path / name
+        out.mkdir()
+        args = [*on_tokens(token_dir), *TINY, *STEPS, *lrs, "--checkpoint_path", str(out / "ckpt.pt")]
+        proc = subprocess.run(command(args, 1), cwd=out, env=child_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = read_metrics(out / "metrics.jsonl")[2]
+    stable, diverging = results["stable"], results["diverging"]
+    assert stable["rollbacks"] == [] and len(diverging["rollbacks"]) >= 1, diverging["rollbacks"]
+    assert diverging["stop_reason"] == "max_steps" and diverging["final_lr_frac"] == 0.0
+    assert diverging["val_loss"] < stable["val_loss"] + 0.5, (diverging["val_loss"], stable["val_loss"])
+    _, ckpt = load_checkpoint(tmp_path / "diverging" / "ckpt.pt")
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+
+
+@pytest.mark.slow
+def test_one_ranks_spike_rolls_back_both_ranks_at_the_same_step_and_their_weights_stay_equal(tmp_path, token_dir):
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(TRAIN.parent)!r})
+import torch, train
+
+accumulate, finish, calls = train.accumulate, train.finish, [0]
+def spiking(run, *args, **kwargs):
+    loss = accumulate(run, *args, **kwargs)
+    calls[0] += 1
+    return loss + 50.0 if run.rank == 1 and 20 <= calls[0] < 24 else loss  # rank 1 alone, four steps
+def recording(run, log, clock, amp, state, guard):
+    weights = sum(p.double().sum().item() for p in run.raw_model.parameters())
+    with open(f"rank{{run.rank}}.json", "w") as f:
+        json.dump({{"rollbacks": guard.rollbacks, "weights": weights}}, f)
+    finish(run, log, clock, amp, state, guard)
+train.accumulate, train.finish = spiking, recording
+train.main(sys.argv[1:])
+"""
+    args = [*on_tokens(token_dir), *TINY, *STEPS]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python"]
+    proc = subprocess.run(
+        [*torchrun, sys.executable, "-c", script, *args],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(ranks[0]["rollbacks"]) == 1 and ranks[0]["rollbacks"] == ranks[1]["rollbacks"], ranks
+    assert ranks[0]["weights"] == ranks[1]["weights"]
