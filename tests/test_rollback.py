@@ -15,14 +15,6 @@ from model import get_model
 from muon import build_optimizers
 
 
-def test_a_spike_must_last_two_syncs_and_a_non_finite_loss_is_at_once():
-    guard = R.Guard(None, [], torch.device("cpu"), print)
-    # a plateau at 4.0, noise, one high sync (5.2 > 4.0 + 1), back down: nothing
-    assert [guard.diverged(x) for x in (4.0, 4.0, 4.0, 4.9, 5.2, 4.1)] == [None] * 6
-    assert guard.diverged(5.3) is None and "nats above" in guard.diverged(5.4)  # two syncs in a row above 5.0
-    assert guard.diverged(float("nan")) == "non-finite loss" and guard.diverged(math.inf) == "non-finite loss"
-
-
 def small_model_and_optimizers():
     torch.manual_seed(0)
     model = get_model({"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 32})
@@ -40,27 +32,45 @@ def train_steps(model, optimizers, n, seed):
         model.zero_grad(set_to_none=True)
 
 
-def test_a_restored_snapshot_trains_on_exactly_as_from_the_step_it_was_taken():
+def test_a_spike_must_last_two_syncs_and_a_non_finite_loss_is_at_once():
+    guard = R.Guard(*small_model_and_optimizers(), torch.device("cpu"), print)
+    # a plateau at 4.0, noise, one high sync (5.2 > 4.0 + 1), back down: nothing
+    assert [guard.diverged(x) for x in (4.0, 4.0, 4.0, 4.9, 5.2, 4.1)] == [None] * 6
+    assert guard.diverged(5.3) is None and "nats above" in guard.diverged(5.4)  # two syncs in a row above 5.0
+    assert guard.diverged(float("nan")) == "non-finite loss" and guard.diverged(math.inf) == "non-finite loss"
+
+
+def test_a_snapshot_is_trusted_after_a_healthy_sync_and_a_rollback_trains_on_exactly_as_from_it():
     model, optimizers = small_model_and_optimizers()
+    guard = R.Guard(model, optimizers, torch.device("cpu"), print)  # the initial weights: trusted
     train_steps(model, optimizers, 3, seed=0)
-    guard = R.Guard(model, optimizers, torch.device("cpu"), print)
-    assert guard.maybe_snapshot(step=3, elapsed=1.0) and not guard.maybe_snapshot(step=4, elapsed=2.0)  # 30 s apart
-    train_steps(model, optimizers, 2, seed=1)
+    assert guard.diverged(4.0) is None and not guard.maybe_snapshot(step=3, elapsed=10.0)  # 30 s apart
+    assert guard.maybe_snapshot(step=3, elapsed=31.0) and guard.trusted.step == 0 and guard.pending.step == 3
     expected = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    train_steps(model, optimizers, 2, seed=1)
+    assert guard.diverged(4.1) is None and guard.trusted.step == 3  # a healthy sync trusts it
     train_steps(model, optimizers, 4, seed=2)  # the bad stretch, then NaN weights
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
     assert guard.roll_back(step=9, why="test", batch_factor=1.0)
-    train_steps(model, optimizers, 2, seed=1)
     assert all(torch.equal(a, p) for a, p in zip(expected, model.parameters()))
+    restored = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert all(torch.equal(a, b) for a, b in zip(state, restored)) and len(state) == len(restored) > 0
+
+
+def test_a_rollback_to_the_initial_weights_starts_the_optimizers_afresh():
+    model, optimizers = small_model_and_optimizers()
+    initial = [p.detach().clone() for p in model.parameters()]
+    guard = R.Guard(model, optimizers, torch.device("cpu"), print)
+    train_steps(model, optimizers, 2, seed=0)
+    assert guard.roll_back(step=2, why="test", batch_factor=1.0) and guard.rollbacks[0]["to_step"] == 0
+    assert all(torch.equal(a, p) for a, p in zip(initial, model.parameters()))
+    assert all(not opt.state for opt in optimizers)
 
 
 def test_each_rollback_drops_the_batch_factor_first_then_halves_the_lr_and_they_run_out():
-    model, optimizers = small_model_and_optimizers()
-    train_steps(model, optimizers, 1, seed=0)
-    guard = R.Guard(model, optimizers, torch.device("cpu"), print)
-    assert not guard.roll_back(step=1, why="no snapshot yet", batch_factor=2.0)
-    guard.maybe_snapshot(step=1, elapsed=0.0)
+    guard = R.Guard(*small_model_and_optimizers(), torch.device("cpu"), print)
     scales = []
     for step in range(R.MAX_ROLLBACKS):
         assert guard.roll_back(step=2 + step, why="test", batch_factor=2.0)
