@@ -254,10 +254,11 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", 
 
 
 def main(argv=None):
+    parent = os.getppid()  # the launcher, as early as this process can look
     stop_signal = []  # from here on: finish the current step (or micro-step), save, validate, exit 0
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), lambda sig, frame: stop_signal.append(sig))
-    stop_with_the_launcher()
+    stop_with_the_launcher(parent)
     hp, model_switches, unknown = parse_args(argv)
     say = print_on_rank0
     if unknown:
@@ -291,16 +292,19 @@ def main(argv=None):
             os._exit(0)
 
 
-def stop_with_the_launcher():
+def stop_with_the_launcher(parent=None):
     """Under torchrun, a worker is sent SIGTERM when its launcher dies: torchrun forwards TERM, INT, HUP and QUIT,
-    but a signal it does not handle (USR1 from `sbatch --signal`) kills it outright and would orphan the worker."""
+    but a signal it does not handle (USR1 from `sbatch --signal`) kills it outright and would orphan the worker.
+    parent: the launcher's pid as first seen (default: now). A launcher that died before prctl took effect shows as
+    a changed parent; a parent of pid 1 is not a dead one, since torchrun is pid 1 as a container's entrypoint."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
+    parent = os.getppid() if parent is None else parent
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the launcher's own forwarding is all there is
         return
-    if os.getppid() == 1:  # the launcher died before prctl took effect
+    if os.getppid() != parent:  # the launcher died between the first look and prctl
         os.kill(os.getpid(), signal.SIGTERM)
 
 
