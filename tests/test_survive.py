@@ -1,7 +1,6 @@
 """The event run survives what nobody has measured (issue 32): torchrun as pid 1, one rank's exit, several ranks on
 one GPU, legal but unusable values, and an older torch. Subprocess runs are small, on 2 CPU cores."""
 
-import os
 import shutil
 import signal
 import subprocess
