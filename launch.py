@@ -60,7 +60,7 @@ def launch(hp, model_switches, stop_signal, say):
     except ValueError as e:
         fail(f"error: {e}")
     hp = resolve(hp, world)
-    device = init_device(hp, local_rank, world)
+    device = init_device(hp, rank, local_rank, world)
     budget_s = training_budget(hp, rank, device, world, say)  # first: the plan is made for the budget the run gets
     hp, data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, budget_s, say)
     raw_model, model, optimizers = build_model(hp, plan, model_switches, device, world)
@@ -106,13 +106,16 @@ def launch(hp, model_switches, stop_signal, say):
     )
 
 
-def init_device(hp, local_rank, world):
-    """This rank's device (its GPU, or the CPU), and the process group across ranks."""
+def init_device(hp, rank, local_rank, world):
+    """This rank's device (its GPU, or the CPU), and the process group across ranks: a rank that never comes (a launch
+    environment declaring ranks nobody started) is one sentence after --collective_timeout_min, not a traceback."""
     cuda = hp.device == "cuda"
     device = torch.device("cpu")
     if cuda:
         try:
-            device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+            local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
+            torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+            device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count(), local_world, torchrun))
         except ValueError as e:
             fail(f"error: {e}")
         torch.cuda.set_device(device)
@@ -120,7 +123,15 @@ def init_device(hp, local_rank, world):
         keep_freed_memory()
     if world > 1:
         timeout = datetime.timedelta(minutes=hp.collective_timeout_min)
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
+        except RuntimeError as e:  # DistStoreError, DistNetworkError: a timeout, or a refused or dropped connection
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            fail(
+                f"error: rank {rank}: the {world} ranks of WORLD_SIZE did not all join at {where} within "
+                f"--collective_timeout_min {hp.collective_timeout_min:g} ({str(e).splitlines()[0][:160]}); start "
+                f"every rank (torchrun starts them all) or fix WORLD_SIZE"
+            )
     return device
 
 
@@ -236,9 +247,16 @@ def lock_metrics(path, say):
     return handle
 
 
-def cuda_index(local_rank, visible):
+def cuda_index(local_rank, visible, local_world=None, torchrun=False):
     """The GPU of this rank: LOCAL_RANK when every rank sees the node's GPUs (torchrun), 0 when a launcher gives
-    each task one visible GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per rank)."""
+    each task one visible GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per rank). Ranks that would share a GPU
+    are refused: torchrun's workers all see the same GPUs, so LOCAL_WORLD_SIZE above them is a shared one (NCCL's
+    duplicate-GPU error, later); so is a node of several ranks and several GPUs with fewer GPUs than ranks."""
+    if local_world is not None and local_world > visible and (torchrun or visible > 1):
+        raise ValueError(
+            f"{local_world} ranks on this node (LOCAL_WORLD_SIZE) but {visible} GPU(s) visible to each: ranks would "
+            f"share a GPU; launch --nproc_per_node={visible}, or give each rank its own GPU"
+        )
     if visible == 1:
         return 0
     if not 0 <= local_rank < visible:

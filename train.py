@@ -160,8 +160,8 @@ class Hyperparameters:
     grad_reduce: str = flag(
         "bf16", "dtype of the gradient all-reduce across ranks: bf16 (half the bytes) or fp32", choices=("bf16", "fp32")
     )
-    collective_timeout_min: float = flag(
-        5.0, "a rank silent this long in a collective ends the job (> compile skew)", above=0.0
+    collective_timeout_min: float = flag(  # below seconds, the process-group set-up itself times out
+        5.0, "a rank silent this long in a collective ends the job (> compile skew)", at_least=0.05
     )
     slurm_reserve_s: float = flag(
         60.0, "under SLURM, seconds kept after training for the final save and exit", at_least=0.0

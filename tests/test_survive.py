@@ -5,6 +5,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 
@@ -55,3 +57,55 @@ def test_torchrun_as_pid_1_trains_to_the_time_limit(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     _, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["stop_reason"] == "time_limit" and summary["steps"] > 10, summary
+
+
+# ----------------------------------------------------------------------------- several ranks on one GPU
+
+
+def test_ranks_that_would_share_a_gpu_are_refused_and_one_gpu_per_task_is_kept():
+    from launch import cuda_index
+
+    assert cuda_index(3, visible=8, local_world=8, torchrun=True) == 3
+    assert cuda_index(5, visible=1, local_world=8) == 0  # srun --gpus-per-task=1: each task its own GPU
+    assert cuda_index(0, visible=1, local_world=1, torchrun=True) == 0
+    for local_world, visible, torchrun in [(8, 1, True), (8, 4, True), (8, 4, False)]:
+        with pytest.raises(ValueError, match=f"{local_world} ranks on this node .* {visible} GPU"):
+            cuda_index(0, visible=visible, local_world=local_world, torchrun=torchrun)
+
+
+def test_eight_torchrun_ranks_on_one_visible_gpu_exit_2_before_anything(monkeypatch, capsys):
+    import launch
+
+    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(launch.torch.cuda, "set_device", lambda d: pytest.fail("a device was claimed"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    with pytest.raises(SystemExit) as leaving:
+        launch.init_device(types.SimpleNamespace(device="cuda"), rank=5, local_rank=5, world=8)
+    error = capsys.readouterr().err.strip()
+    assert leaving.value.code == 2 and error.count("\n") == 0 and "share a GPU" in error, error
+
+
+# ----------------------------------------------------------------------------- legal but unusable
+
+
+@pytest.mark.slow
+def test_a_launch_environment_whose_peer_never_comes_is_one_sentence(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a free port: nobody listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**child_env(), "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), "--device", "cpu", *TINY, "--collective_timeout_min", "0.05"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    error = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(error) == 1 and "did not all join" in error[0], proc.stderr[-2000:]
+    assert time.perf_counter() - start < 60 and not list(tmp_path.iterdir())
