@@ -23,6 +23,7 @@ import sys
 PASTED = ["checkpoint", "clock", "plan", "windows", "shards", "synthetic", "prefetch", "data", "muon", "launch"]
 SHIPPED = "model"  # next to train.py, so its imports stay
 REQUIREMENTS = ["torch", "numpy", "tqdm"]
+VERSIONS = {"torch": ">=2.6"}  # launch.TORCH_FLOOR: the oldest torch the run path works on
 
 
 class BundleError(ValueError):
@@ -115,7 +116,7 @@ def bundle_files(src_dir, pasted=PASTED):
     return {
         "model.py": (src_dir / "model.py").read_text(),
         "train.py": "\n\n\n".join(parts) + "\n",
-        "requirements.txt": "\n".join(REQUIREMENTS) + "\n",
+        "requirements.txt": "".join(f"{name}{VERSIONS.get(name, '')}\n" for name in REQUIREMENTS),
     }
 
 

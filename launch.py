@@ -12,6 +12,7 @@ import datetime
 import errno
 import fcntl
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import get_model, model_config
 from data import SYNTH_STATES, BatchLoader, Deal, WindowSpec, find_token_files, load_token_data, val_batches
-from muon import all_gather_flat, build_optimizers
+from muon import all_gather_flat, build_optimizers, flat_gather
 from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
 from checkpoint import CheckpointError, Checkpointer, check_writable
 
@@ -55,6 +56,8 @@ class Run:
 
 def launch(hp, model_switches, stop_signal, say):
     """Everything before the clock, in order: process group, checks, plan, model, step-0 save, warm collectives."""
+    if problem := torch_problem(torch.__version__):
+        fail(f"error: {problem}")
     try:
         rank, world, local_rank = launcher_env(os.environ)
     except ValueError as e:
@@ -190,9 +193,7 @@ def build_model(hp, plan, model_switches, device, world):
     )
     if hp.compile:
         torch._dynamo.config.optimize_ddp = False  # graphs are per block already
-        # backward graphs compiled in the first forward, not lazily in the first backward: a compiler that fails
-        # then fails before DDP's reducer expects a backward, and train.first_compiled_step can go on eagerly
-        torch._functorch.config.force_non_lazy_backward_lowering = True
+        lower_backward_in_forward()
         raw_model.compile_per_block()
     model = raw_model
     if world > 1:
@@ -202,6 +203,35 @@ def build_model(hp, plan, model_switches, device, world):
         if hp.grad_reduce == "bf16":
             model.register_comm_hook(None, bf16_grad_hook)
     return raw_model, model, optimizers
+
+
+# The oldest torch the run path works on (run end to end on CPU, 2 gloo ranks, compiled): torch.compiler.set_stance
+# and its stances came in 2.6. Newer APIs the run uses have a fallback here: all_gather_single (muon.flat_gather),
+# the backward lowering switch (lower_backward_in_forward); gloo's ReduceOp.AVG (2.7) is not used.
+TORCH_FLOOR = (2, 6)
+
+
+def torch_problem(version, compiler=torch.compiler, distributed=dist):
+    """None when this torch has what the run path needs, else one sentence saying what to install."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    floor = ".".join(map(str, TORCH_FLOOR))
+    missing = [name for name in ("set_stance",) if not hasattr(compiler, name)]
+    missing += [] if flat_gather(distributed) else ["all_gather_into_tensor"]
+    if release >= TORCH_FLOOR and not missing:
+        return None
+    what = f"lacks {', '.join(missing)}" if missing else f"is older than {floor}"
+    return f"torch {version} {what}: this trainer needs torch {floor} or newer; install torch>={floor}"
+
+
+def lower_backward_in_forward(config=torch._functorch.config):
+    """Backward graphs compiled in the first forward, not lazily in the first backward: a compiler that fails then
+    fails before DDP's reducer expects a backward, and train.first_compiled_step can go on eagerly. Newer than torch
+    2.6: without it the run still compiles (measured on 2.6), but a compiler that fails does so in the first backward,
+    where the eager fallback is not proven. Returns whether it was set."""
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return False
+    config.force_non_lazy_backward_lowering = True
+    return True
 
 
 def resolve(hp, world):

@@ -430,7 +430,8 @@ def host_sync(run, clock, log, state, loss_sum, elapsed, amp):
     mean_loss = loss_sum / max(state.step - clock.prev_step, 1)
     if run.world > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+        dist.all_reduce(mean_loss)  # a sum: gloo before torch 2.7 has no ReduceOp.AVG
+        mean_loss /= run.world
     elapsed, paused_all, val_token_s_all, signalled = stats.tolist()
     if state.step > clock.prev_step:
         if not math.isfinite(mean_loss.item()):

@@ -9,8 +9,9 @@ import time
 import types
 
 import pytest
+import torch
 
-from conftest import TINY, TRAIN, child_env, read_metrics
+from conftest import ROOT, TINY, TRAIN, child_env, read_metrics
 
 # ----------------------------------------------------------------------------- torchrun as pid 1
 
@@ -109,3 +110,42 @@ def test_a_launch_environment_whose_peer_never_comes_is_one_sentence(tmp_path):
     error = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(error) == 1 and "did not all join" in error[0], proc.stderr[-2000:]
     assert time.perf_counter() - start < 60 and not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- the torch the organizers have
+
+
+def test_an_older_torch_or_one_without_the_run_path_apis_is_one_sentence(monkeypatch):
+    import launch
+
+    assert launch.torch_problem(torch.__version__) is None and launch.torch_problem("2.6.0+cu124") is None
+    assert "older than 2.6" in launch.torch_problem("2.5.1+cu121")
+    no_stance = types.SimpleNamespace()
+    assert "lacks set_stance" in launch.torch_problem("2.7.0", compiler=no_stance)
+    assert "lacks all_gather_into_tensor" in launch.torch_problem("2.7.0", distributed=types.SimpleNamespace())
+    monkeypatch.setattr(launch.torch, "__version__", "2.4.0")  # launch() says it before anything else
+    with pytest.raises(SystemExit) as leaving:
+        launch.launch(None, {}, [], print)
+    assert leaving.value.code == 2
+
+
+def test_apis_newer_than_the_floor_have_their_fallbacks():
+    import muon
+
+    import launch
+
+    older = types.SimpleNamespace(all_gather_into_tensor=lambda *a: "2.6's name")
+    assert muon.flat_gather(older)() == "2.6's name"
+    assert launch.lower_backward_in_forward(types.SimpleNamespace()) is False  # 2.6: not there, nothing raised
+    config = types.SimpleNamespace(force_non_lazy_backward_lowering=False)
+    assert launch.lower_backward_in_forward(config) is True and config.force_non_lazy_backward_lowering
+
+
+def test_the_floor_is_stated_in_requirements_pyproject_and_readme(tmp_path):
+    import bundle
+
+    import launch
+
+    floor = "torch>=" + ".".join(map(str, launch.TORCH_FLOOR))
+    assert floor in bundle.bundle_files(ROOT)["requirements.txt"].splitlines()
+    assert f'"{floor}"' in (ROOT / "pyproject.toml").read_text() and floor in (ROOT / "README.md").read_text()
