@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from model import get_model, model_config
 from data import SYNTH_STATES, BatchLoader, Deal, WindowSpec, find_token_files, load_token_data, val_batches
 from muon import all_gather_flat, build_optimizers, flat_gather
 from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
-from checkpoint import CheckpointError, Checkpointer, check_writable
+from checkpoint import Checkpointer, check_writable
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Run:
     stop_signal: list
     step0_saved_unix: float
     say: object
+    data_gone: str | None = None  # this rank's DataChanged, carried to every rank by the next host sync
 
 
 def launch(hp, model_switches, stop_signal, say):
@@ -74,10 +76,9 @@ def launch(hp, model_switches, stop_signal, say):
         try:
             checkpointer.save(raw_model, {"config": config, "step": 0, "tokens": 0}, background=False)
             saved_unix = time.time()
-        except CheckpointError as e:
-            error = f"error: {e}"
-    if not agree(error is None, device, world):
-        fail(error or "error: the step-0 checkpoint could not be written; see rank 0's message")
+        except Exception as e:
+            error = sentence(e)
+    leave_together(error, device, world, rank)
     say(versions(device))
     say(f"plan: {plan.line()}")
     say(
@@ -141,14 +142,13 @@ def init_device(hp, rank, local_rank, world):
 def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
     """Data, validation, paths, the plan and the loader, agreed across ranks; nothing written yet. Returns hp with
     symlinked output paths resolved, and the rest."""
-    try:  # data and paths may differ per rank (a node's staged copy)
+    try:  # data and paths may differ per rank (a node's staged copy, one rank's unreadable file)
         data, val = check_inputs(hp, rank, world)
         hp = check_outputs(hp, say)
         error = None
-    except (ValueError, FileNotFoundError) as e:
-        error = f"error: {e}"
-    if not agree(error is None, device, world):
-        fail(error or f"error: another rank's input checks failed (rank {rank} passed); see that rank's message")
+    except Exception as e:
+        error = sentence(e)
+    leave_together(error, device, world, rank)
     say(f"data: {data.source}")
     if hp.val_file and hp.data_dir and (twin := training_twin(hp.val_file, hp.data_dir)):
         say(f"warning: --val_file {hp.val_file} holds the same tokens as training file {twin}: it is not held out")
@@ -163,10 +163,9 @@ def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
         )
         metrics = lock_metrics(hp.metrics_path, say) if rank == 0 else None
         error = None
-    except ValueError as e:
-        error = f"error: {e}"
-    if not agree(error is None, device, world):
-        fail(error or f"error: another rank's checks failed (rank {rank} passed); see that rank's message")
+    except Exception as e:
+        error = sentence(e)
+    leave_together(error, device, world, rank)
     return hp, data, val, plan, loader, metrics
 
 
@@ -314,13 +313,35 @@ def check_inputs(hp, rank, world):
     return data, val
 
 
-def agree(ok, device, world):
-    """True when every rank is ok: one rank's bad input (a node's staged data) stops all of them now."""
+def sentence(error):
+    """An exception a check can meet as one sentence: ours are sentences already, an OSError (one rank's unreadable
+    file) names its file; anything else keeps its traceback on this rank's stderr, for whoever debugs it."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename or 'a file'}: {error.strerror}" + (f" ({error.filename2})" if error.filename2 else "")
+    if not isinstance(error, (ValueError, OSError)):
+        traceback.print_exc()
+        return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]} (traceback above)"
+    return str(error)
+
+
+def leave_together(error, device, world, rank):
+    """Go on when no rank has an error (a sentence, or None); else every rank exits 2 now, together, and rank 0 says
+    the first failing rank's sentence, naming the rank. One all-reduce, and an exchange of sentences only on failure:
+    one rank's bad input (a node's staged data, an unreadable file) never leaves the others in a collective."""
     if world == 1:
-        return ok
-    flag_tensor = torch.tensor([float(ok)], device=device)
-    dist.all_reduce(flag_tensor, op=dist.ReduceOp.MIN)
-    return flag_tensor.item() == 1.0
+        if error:
+            fail(f"error: {error}")
+        return
+    first = torch.tensor([rank if error else world], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    if (first := int(first.item())) == world:
+        return
+    errors = [None] * world
+    dist.all_gather_object(errors, error)
+    others = sum(e is not None for e in errors) - 1
+    if rank == 0:
+        fail(f"error: rank {first}: {errors[first]}" + (f" (and {others} other rank(s))" if others else ""))
+    sys.exit(2)
 
 
 def build_plan(hp, model_switches, device, world, budget_s, say):

@@ -272,7 +272,7 @@ def main(argv=None):
         return
     run = launch(hp, model_switches, stop_signal, say)
     try:
-        train(run)
+        saved = train(run)
     except RuntimeError as e:  # a dead or frozen rank: end now with the last checkpoint, not at the SLURM wall
         lost = isinstance(e, dist.DistError) or any(w in str(e).lower() for w in ("timed out", "connection"))
         if run.world == 1 or not lost:
@@ -283,13 +283,16 @@ def main(argv=None):
             f"{run.hp.checkpoint_path} holds the last save",
             code=1,
         )
+    code = 0 if saved else 1  # a failed final save: rank 0 still meets the others at the barrier, then exits 1
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
         if run.device.type == "cpu":  # torch 2.13's gloo can abort in interpreter teardown (~10% of clean runs)
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(0)
+            os._exit(code)
+    if code:
+        sys.exit(code)
 
 
 def stop_with_the_launcher(parent=None):
@@ -420,24 +423,30 @@ def train(run):
     state.train_s = time.perf_counter() - t0
     gc.enable()
     run.loader.close()
-    finish(run, log, clock, amp, state)
+    return finish(run, log, clock, amp, state)
 
 
 def host_sync(run, clock, log, state, loss_sum, elapsed, amp):
     """One all-reduce for the slowest rank's clock, its pauses and any stop signal; the metrics row, the clock's
     decision, then what the clock plans into the pause: a background save, a validation. Returns the stop reason."""
-    stats = torch.tensor([elapsed, state.paused, state.val_token_s, float(bool(run.stop_signal))], device=run.device)
+    data_rank = run.rank + 1 if run.data_gone else 0  # which rank's data is gone, if any: every rank stops with it
+    stats = torch.tensor(
+        [elapsed, state.paused, state.val_token_s, float(bool(run.stop_signal)), data_rank], device=run.device
+    )
     mean_loss = loss_sum / max(state.step - clock.prev_step, 1)
     if run.world > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         dist.all_reduce(mean_loss)  # a sum: gloo before torch 2.7 has no ReduceOp.AVG
         mean_loss /= run.world
-    elapsed, paused_all, val_token_s_all, signalled = stats.tolist()
+    elapsed, paused_all, val_token_s_all, signalled, data_rank = stats.tolist()
     if state.step > clock.prev_step:
         if not math.isfinite(mean_loss.item()):
             return "non-finite loss"
         log.row(state.step, state.tokens, elapsed, state.lr_frac, mean_loss.item())
     stop_reason = "signal" if signalled else clock.sync(state.step, elapsed, paused_all, val_token_s_all)
+    if data_rank:
+        run.say(f"stopping: rank {int(data_rank) - 1}: every training file changed under the run")
+        stop_reason = "data"
     log.notes()
     if run.rank == 0:
         log.failed_save(wait=False)
@@ -509,14 +518,30 @@ def accumulate(run, accum, amp, check_stop=False):
     for micro in range(accum):
         if check_stop and micro and stop_agreed(run):
             return None
-        x, y = next(run.loader)
+        (x, y), weight = next_batch(run)
         # gradients are all-reduced once per optimizer step, on the last micro-step
         with run.model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
             with amp:
                 _, loss = run.model(x, y, return_logits=False)
-            (loss / accum).backward()
+            (loss * (weight / accum)).backward()
         step_loss += loss.detach() / accum
     return step_loss
+
+
+def next_batch(run):
+    """(the next micro-batch, its loss weight). Once this rank's data is gone (DataChanged) in a multi-rank run, a
+    stand-in batch of the same shape with weight 0: the rank keeps meeting the others in the gradient all-reduce
+    until the next host sync stops every rank together ("data"), instead of leaving them in a collective."""
+    if run.data_gone is None:
+        try:
+            return next(run.loader), 1.0
+        except DataChanged as e:
+            if run.world == 1:
+                raise
+            run.data_gone = str(e)
+            print(f"rank {run.rank}: {e} Stopping every rank at the next host sync.", file=sys.stderr, flush=True)
+    stand_in = torch.zeros(run.plan.micro_batch, run.hp.seq_len, dtype=torch.long, device=run.device)
+    return (stand_in, stand_in), 0.0
 
 
 def stop_agreed(run):
@@ -564,8 +589,8 @@ def finish(run, log, clock, amp, state):
         try:
             run.checkpointer.save(run.raw_model, log.meta(step, tokens), background=False)
             run.say(f"saved {hp.checkpoint_path} at step {step} ({state.stop_reason}) after {train_s:.1f}s")
-        except CheckpointError as e:
-            run.say(f"error: the final save failed: {e}")
+        except Exception as e:  # any failure: rank 0 still validates with the others and meets them at the barrier
+            run.say(f"error: the final save failed: {e if isinstance(e, CheckpointError) else repr(e)[:300]}")
             saved = False
     val_batches = clock.final_validation_batches()
     log.notes()
@@ -575,8 +600,7 @@ def finish(run, log, clock, amp, state):
     log.emit(summary)
     run.say(json.dumps(summary))
     log.close()
-    if not saved:
-        sys.exit(1)
+    return saved
 
 
 def summary_row(run, clock, state, val_loss, val_batches):

@@ -60,6 +60,82 @@ def test_torchrun_as_pid_1_trains_to_the_time_limit(tmp_path):
     assert summary["stop_reason"] == "time_limit" and summary["steps"] > 10, summary
 
 
+# ----------------------------------------------------------------------------- one rank leaves, all leave
+
+# Workers run through this wrapper: it breaks one thing on one rank (FAULT), then runs train.main() as torchrun would.
+FAULTY_WORKER = """
+import os, sys
+sys.path.insert(0, {root!r})
+import checkpoint, data, launch, prefetch, train
+rank, fault = int(os.environ["RANK"]), os.environ["FAULT"]
+if fault == "unreadable" and rank == 1:
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/data/chunk_0001.bin")
+    launch.load_token_data = refuse
+if fault == "data_gone" and rank == 1:
+    served, real_next = [0], prefetch.Prefetcher.__next__
+    def next_or_gone(self):
+        served[0] += 1
+        if served[0] > 40:
+            raise data.DataChanged("every training file changed under the run; rank 1 has nothing left to read.")
+        return real_next(self)
+    prefetch.Prefetcher.__next__ = next_or_gone
+if fault == "final_save" and rank == 0:
+    real_save = checkpoint.save_checkpoint
+    def full_disk(state, path):
+        if state["step"] > 0:
+            raise checkpoint.CheckpointError(f"could not save {{path}} (No space left on device)")
+        real_save(state, path)
+    checkpoint.save_checkpoint = full_disk
+train.main()
+"""
+
+
+def faulty_run(tmp_path, fault, extra=()):
+    """A 2-rank gloo torchrun whose workers run FAULTY_WORKER: (process, wall seconds)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(FAULTY_WORKER.format(root=str(ROOT)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    argv = [*torchrun, "--device", "cpu", *TINY, "--save_every_min", "0", *extra]
+    start = time.perf_counter()
+    proc = subprocess.run(
+        argv, cwd=tmp_path, env={**child_env(), "FAULT": fault}, capture_output=True, text=True, timeout=300
+    )
+    return proc, time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_one_ranks_unreadable_file_ends_every_rank_with_one_sentence(tmp_path):
+    proc, wall = faulty_run(tmp_path, "unreadable", ["--time_limit_min", "10"])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: rank 1: /data/chunk_0001.bin: Permission denied"], proc.stderr[-3000:]
+    assert proc.returncode != 0 and wall < 60 and "]: Traceback" not in proc.stderr  # no worker's traceback
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+def test_one_rank_whose_data_is_gone_stops_every_rank_together_with_the_weights_saved(tmp_path):
+    proc, wall = faulty_run(tmp_path, "data_gone", ["--time_limit_min", "10"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopping: rank 1: every training file changed under the run" in proc.stdout
+    assert wall < 90  # not the 10-minute budget, nor the 5-minute collective timeout
+    _, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["stop_reason"] == "data" and summary["steps"] > 0 and summary["world_size"] == 2
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == summary["steps"]
+
+
+@pytest.mark.slow
+def test_a_failed_final_save_on_rank_0_still_ends_every_rank_at_once(tmp_path):
+    proc, wall = faulty_run(tmp_path, "final_save", ["--time_limit_min", "0.2"])
+    assert proc.returncode != 0 and "error: the final save failed" in proc.stdout, proc.stderr[-3000:]
+    _, _, summary = read_metrics(tmp_path / "metrics.jsonl")  # rank 0 still validated with rank 1
+    assert summary["stop_reason"] == "time_limit" and summary["val_loss"] > 0
+    assert wall < 12 + 60, wall  # the 12 s budget and start-up; not the 5-minute collective timeout
+    assert "exitcode  : 1" in proc.stderr and "<NO_OTHER_FAILURES>" in proc.stderr  # rank 1 ended on its own, 0
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 0  # the step-0 save stays
+
+
 # ----------------------------------------------------------------------------- several ranks on one GPU
 
 
