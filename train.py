@@ -33,7 +33,7 @@ from tqdm import tqdm
 from model import GPTConfig
 from checkpoint import CheckpointError
 from clock import Clock
-from plan import AUTO_EFFICIENCY, MIN_TOKENS_PER_STEP, TOKENS_PER_PARAM, peak_flops
+from plan import AUTO_EFFICIENCY, MIN_TOKENS_PER_STEP, TOKENS_PER_PARAM, peak_flops, shape_config
 from data import DataChanged
 from launch import build_plan, fail, launch, resolve
 
@@ -221,8 +221,27 @@ def check_flags(hp):
         raise ValueError(
             f"--warmup_frac {hp.warmup_frac} leaves no room for the decay: with wsd it must be at most 1 - --decay_frac"
         )
+    if hp.model != "auto":  # checked even when the shape flags override it: a typo is said, not hidden
+        shape_config(hp.model)
     if hp.device == "cuda" and not torch.cuda.is_available() and not hp.dry_run:
         raise ValueError("--device cuda was given but no CUDA device is visible")
+
+
+def overridden_flags(hp):
+    """A sentence for each flag given that other flags leave unused: said before the clock, never silently dropped."""
+    given = {f.name for f in dataclasses.fields(hp) if getattr(hp, f.name) != f.default}
+    shape = sorted({"n_layer", "n_head", "n_embd"} & given)
+    unused = {  # flag: why it is unused (when it is)
+        "model": shape and hp.shape_flags == "win" and f"the shape flags ({', '.join(shape)}) decide the shape",
+        "tokens_per_param": (shape and hp.shape_flags == "win" or hp.model != "auto") and "no --model auto to guide",
+        "adamw_lr": hp.optimizer == "muon" and "--optimizer muon trains the hidden matrices with --muon_lr",
+        **dict.fromkeys(
+            ("muon_lr", "muon_momentum", "muon_momentum_start", "momentum_warmup_frac"),
+            hp.optimizer == "adamw" and "--optimizer adamw uses no Muon",
+        ),
+        "world_size": not hp.dry_run and "it plans for another machine with --dry_run only; this launch's ranks train",
+    }
+    return [f"--{name} {getattr(hp, name)} is not used: {why}" for name, why in unused.items() if name in given and why]
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -267,6 +286,8 @@ def main(argv=None):
         check_flags(hp)
     except ValueError as e:
         fail(f"error: {e}")
+    for sentence in overridden_flags(hp):
+        say(f"warning: {sentence}")
     if hp.dry_run:
         dry_run(hp, model_switches, say)
         return

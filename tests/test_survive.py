@@ -1,6 +1,7 @@
 """The event run survives what nobody has measured (issue 32): torchrun as pid 1, one rank's exit, several ranks on
 one GPU, legal but unusable values, and an older torch. Subprocess runs are small, on 2 CPU cores."""
 
+import os
 import shutil
 import signal
 import subprocess
@@ -225,3 +226,35 @@ def test_the_floor_is_stated_in_requirements_pyproject_and_readme(tmp_path):
     floor = "torch>=" + ".".join(map(str, launch.TORCH_FLOOR))
     assert floor in bundle.bundle_files(ROOT)["requirements.txt"].splitlines()
     assert f'"{floor}"' in (ROOT / "pyproject.toml").read_text() and floor in (ROOT / "README.md").read_text()
+
+
+def test_a_checkpoint_name_at_the_file_system_limit_saves_and_one_past_it_is_one_sentence(tmp_path):
+    import checkpoint
+
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    longest = tmp_path / ("c" * (limit - 3) + ".pt")  # legal; its temporary sibling is cut to fit
+    checkpoint.check_writable(str(longest), "checkpoint_path")
+    checkpoint.Checkpointer(str(longest)).save(torch.nn.Linear(2, 2), {"step": 1}, background=False)
+    assert [p.name for p in tmp_path.iterdir()] == [longest.name]
+    with pytest.raises(ValueError, match=f"--checkpoint_path names a file of {limit + 1} bytes, longer than the"):
+        checkpoint.check_writable(str(tmp_path / ("c" * (limit + 1))), "checkpoint_path")
+
+
+def test_a_flag_other_flags_override_is_checked_and_said(capsys):
+    import train
+
+    hp, _, _ = train.parse_args(["--model", "l4w12", "--n_layer", "2"])  # a typo the shape flags would hide
+    with pytest.raises(ValueError, match="--model must be 'auto' or one of"):
+        train.check_flags(hp)
+    for argv, words in [
+        (["--model", "l4w128", "--n_layer", "2"], "--model l4w128 is not used: the shape flags (n_layer)"),
+        (["--optimizer", "adamw", "--muon_lr", "0.1"], "--muon_lr 0.1 is not used: --optimizer adamw"),
+        (["--adamw_lr", "0.01"], "--adamw_lr 0.01 is not used"),
+        (["--world_size", "32"], "--world_size 32 is not used"),
+    ]:
+        hp, _, _ = train.parse_args(argv)
+        train.check_flags(hp)
+        assert [words in s for s in train.overridden_flags(hp)] == [True], argv
+    assert train.overridden_flags(train.parse_args(["--world_size", "32", "--dry_run"])[0]) == []
+    train.main(["--dry_run", "--world_size", "2", "--model", "l2w64", "--n_layer", "2", "--device", "cpu"])
+    assert "warning: --model l2w64 is not used" in capsys.readouterr().out
