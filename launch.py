@@ -2,8 +2,9 @@
 checkpoint, the SLURM-aware budget and one of each collective. train.py calls launch() once; the loop then reads
 the Run it returns and nothing else.
 
-Ranks agree before anything is written: a check that can differ per rank (a node's staged data, a path) is
-followed by an all-reduce of "ok", so one rank's error stops every rank at once instead of hanging a collective.
+Ranks agree before anything is written: a check that can differ per rank (a node's staged data, a path, a file
+only one rank cannot read) is followed by leave_together, so one rank's error stops every rank at once, said once
+with the rank's number, instead of hanging a collective.
 """
 
 import ctypes
