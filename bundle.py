@@ -24,6 +24,7 @@ PASTED = ["checkpoint", "clock", "rollback", "plan", "windows", "shards", "synth
 PASTED += ["launch"]
 SHIPPED = "model"  # next to train.py, so its imports stay
 REQUIREMENTS = ["torch", "numpy", "tqdm"]
+VERSIONS = {"torch": ">=2.6"}  # launch.TORCH_FLOOR: the oldest torch the run path works on
 
 
 class BundleError(ValueError):
@@ -116,7 +117,7 @@ def bundle_files(src_dir, pasted=PASTED):
     return {
         "model.py": (src_dir / "model.py").read_text(),
         "train.py": "\n\n\n".join(parts) + "\n",
-        "requirements.txt": "\n".join(REQUIREMENTS) + "\n",
+        "requirements.txt": "".join(f"{name}{VERSIONS.get(name, '')}\n" for name in REQUIREMENTS),
     }
 
 

@@ -19,10 +19,24 @@ class CheckpointError(ValueError):
     """A save that did not happen, in one sentence; the previous checkpoint, if any, is intact."""
 
 
+def name_max(folder):
+    """The longest file name (bytes) the file system holding folder takes; 255 where it cannot say."""
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        return os.pathconf(folder or ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
 def unique_sibling(path, kind):
     """A name beside path that no other process writes: ranks on different nodes can share a pid (containers)
-    and a hostname, so a random part is added to host and pid. Ends in .kind, so leftovers glob as *.kind."""
-    return f"{path}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.{kind}"
+    and a hostname, so a random part is added to host and pid. Ends in .kind, so leftovers glob as *.kind. The
+    name part is cut so that the whole fits the file system's name limit: any legal path has a legal sibling."""
+    suffix = f".{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.{kind}"
+    folder, name = os.path.split(path)
+    room = max(name_max(os.path.abspath(folder or ".")) - len(suffix.encode()), 1)
+    return os.path.join(folder, name.encode()[:room].decode(errors="ignore") + suffix)
 
 
 def check_writable(path, flag):
@@ -30,6 +44,10 @@ def check_writable(path, flag):
     if os.path.isdir(path):
         raise ValueError(f"--{flag} {path} is a folder; name a file, e.g. {os.path.join(path, 'checkpoint.pt')}.")
     folder = os.path.dirname(os.path.abspath(path))
+    if len(name := os.path.basename(path).encode()) > (limit := name_max(folder)):
+        raise ValueError(
+            f"--{flag} names a file of {len(name)} bytes, longer than the {limit} the file system of {folder} takes."
+        )
     probe = unique_sibling(path, "probe")
     try:
         os.makedirs(folder, exist_ok=True)

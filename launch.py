@@ -2,8 +2,9 @@
 checkpoint, the SLURM-aware budget and one of each collective. train.py calls launch() once; the loop then reads
 the Run it returns and nothing else.
 
-Ranks agree before anything is written: a check that can differ per rank (a node's staged data, a path) is
-followed by an all-reduce of "ok", so one rank's error stops every rank at once instead of hanging a collective.
+Ranks agree before anything is written: a check that can differ per rank (a node's staged data, a path, a file
+only one rank cannot read) is followed by leave_together, so one rank's error stops every rank at once, said once
+with the rank's number, instead of hanging a collective.
 """
 
 import ctypes
@@ -13,10 +14,12 @@ import errno
 import fcntl
 import math
 import os
+import re
 import stat
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +29,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import get_model, model_config
 from data import SYNTH_STATES, BatchLoader, Deal, WindowSpec, find_token_files, load_token_data, val_batches
-from muon import all_gather_flat, build_optimizers
+from muon import all_gather_flat, build_optimizers, flat_gather
 from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
-from checkpoint import CheckpointError, Checkpointer, check_writable
+from checkpoint import Checkpointer, check_writable
 
 
 @dataclass
@@ -54,16 +57,19 @@ class Run:
     stop_signal: list
     step0_saved_unix: float
     say: object
+    data_gone: str | None = None  # this rank's DataChanged, carried to every rank by the next host sync
 
 
 def launch(hp, model_switches, stop_signal, say):
     """Everything before the clock, in order: process group, checks, plan, model, step-0 save, warm collectives."""
+    if problem := torch_problem(torch.__version__):
+        fail(f"error: {problem}")
     try:
         rank, world, local_rank = launcher_env(os.environ)
     except ValueError as e:
         fail(f"error: {e}")
     hp = resolve(hp, world)
-    device = init_device(hp, local_rank, world)
+    device = init_device(hp, rank, local_rank, world)
     deadline = training_deadline(hp, rank, device, world)
     budget_s = budget_until(deadline, hp)  # first: the plan is made for the budget the run gets
     hp, data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, budget_s, say)
@@ -76,10 +82,9 @@ def launch(hp, model_switches, stop_signal, say):
         try:
             checkpointer.save(raw_model, {"config": config, "step": 0, "tokens": 0}, background=False)
             saved_unix = time.time()
-        except CheckpointError as e:
-            error = f"error: {e}"
-    if not agree(error is None, device, world):
-        fail(error or "error: the step-0 checkpoint could not be written; see rank 0's message")
+        except Exception as e:
+            error = sentence(e)
+    leave_together(error, device, world, rank)
     say(versions(device))
     say(f"plan: {plan.line()}")
     say(
@@ -113,13 +118,16 @@ def launch(hp, model_switches, stop_signal, say):
     )
 
 
-def init_device(hp, local_rank, world):
-    """This rank's device (its GPU, or the CPU), and the process group across ranks."""
+def init_device(hp, rank, local_rank, world):
+    """This rank's device (its GPU, or the CPU), and the process group across ranks: a rank that never comes (a launch
+    environment declaring ranks nobody started) is one sentence after --collective_timeout_min, not a traceback."""
     cuda = hp.device == "cuda"
     device = torch.device("cpu")
     if cuda:
         try:
-            device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+            local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
+            torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+            device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count(), local_world, torchrun))
         except ValueError as e:
             fail(f"error: {e}")
         torch.cuda.set_device(device)
@@ -127,21 +135,28 @@ def init_device(hp, local_rank, world):
         keep_freed_memory()
     if world > 1:
         timeout = datetime.timedelta(minutes=hp.collective_timeout_min)
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
+        except RuntimeError as e:  # DistStoreError, DistNetworkError: a timeout, or a refused or dropped connection
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            fail(
+                f"error: rank {rank}: the {world} ranks of WORLD_SIZE did not all join at {where} within "
+                f"--collective_timeout_min {hp.collective_timeout_min:g} ({str(e).splitlines()[0][:160]}); start "
+                f"every rank (torchrun starts them all) or fix WORLD_SIZE"
+            )
     return device
 
 
 def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
     """Data, validation, paths, the plan and the loader, agreed across ranks; nothing written yet. Returns hp with
     symlinked output paths resolved, and the rest."""
-    try:  # data and paths may differ per rank (a node's staged copy)
+    try:  # data and paths may differ per rank (a node's staged copy, one rank's unreadable file)
         data, val = check_inputs(hp, rank, world)
         hp = check_outputs(hp, say)
         error = None
-    except (ValueError, FileNotFoundError) as e:
-        error = f"error: {e}"
-    if not agree(error is None, device, world):
-        fail(error or f"error: another rank's input checks failed (rank {rank} passed); see that rank's message")
+    except Exception as e:
+        error = sentence(e)
+    leave_together(error, device, world, rank)
     say(f"data: {data.source}")
     if hp.val_file and hp.data_dir and (twin := training_twin(hp.val_file, hp.data_dir)):
         say(f"warning: --val_file {hp.val_file} holds the same tokens as training file {twin}: it is not held out")
@@ -156,10 +171,9 @@ def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
         )
         metrics = lock_metrics(hp.metrics_path, say) if rank == 0 else None
         error = None
-    except ValueError as e:
-        error = f"error: {e}"
-    if not agree(error is None, device, world):
-        fail(error or f"error: another rank's checks failed (rank {rank} passed); see that rank's message")
+    except Exception as e:
+        error = sentence(e)
+    leave_together(error, device, world, rank)
     return hp, data, val, plan, loader, metrics
 
 
@@ -186,9 +200,7 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
     )
     if hp.compile:
         torch._dynamo.config.optimize_ddp = False  # graphs are per block already
-        # backward graphs compiled in the first forward, not lazily in the first backward: a compiler that fails
-        # then fails before DDP's reducer expects a backward, and train.first_compiled_step can go on eagerly
-        torch._functorch.config.force_non_lazy_backward_lowering = True
+        lower_backward_in_forward()
         raw_model.compile_per_block()
         for block in raw_model.blocks:  # what nn.Module.compile installed, called by block(...)
             block._compiled_call_impl = eager_runs.wrap(block._compiled_call_impl)
@@ -226,6 +238,35 @@ class EagerRuns:
                 return compiled(*args, **kwargs)
 
         return call
+
+
+# The oldest torch the run path works on (run end to end on CPU, 2 gloo ranks, compiled): torch.compiler.set_stance
+# and its stances came in 2.6. Newer APIs the run uses have a fallback here: all_gather_single (muon.flat_gather),
+# the backward lowering switch (lower_backward_in_forward); gloo's ReduceOp.AVG (2.7) is not used.
+TORCH_FLOOR = (2, 6)
+
+
+def torch_problem(version, compiler=torch.compiler, distributed=dist):
+    """None when this torch has what the run path needs, else one sentence saying what to install."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    floor = ".".join(map(str, TORCH_FLOOR))
+    missing = [name for name in ("set_stance",) if not hasattr(compiler, name)]
+    missing += [] if flat_gather(distributed) else ["all_gather_into_tensor"]
+    if release >= TORCH_FLOOR and not missing:
+        return None
+    what = f"lacks {', '.join(missing)}" if missing else f"is older than {floor}"
+    return f"torch {version} {what}: this trainer needs torch {floor} or newer; install torch>={floor}"
+
+
+def lower_backward_in_forward(config=torch._functorch.config):
+    """Backward graphs compiled in the first forward, not lazily in the first backward: a compiler that fails then
+    fails before DDP's reducer expects a backward, and train.first_compiled_step can go on eagerly. Newer than torch
+    2.6: without it the run still compiles (measured on 2.6), but a compiler that fails does so in the first backward,
+    where the eager fallback is not proven. Returns whether it was set."""
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return False
+    config.force_non_lazy_backward_lowering = True
+    return True
 
 
 def resolve(hp, world):
@@ -271,9 +312,16 @@ def lock_metrics(path, say):
     return handle
 
 
-def cuda_index(local_rank, visible):
+def cuda_index(local_rank, visible, local_world=None, torchrun=False):
     """The GPU of this rank: LOCAL_RANK when every rank sees the node's GPUs (torchrun), 0 when a launcher gives
-    each task one visible GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per rank)."""
+    each task one visible GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per rank). Ranks that would share a GPU
+    are refused: torchrun's workers all see the same GPUs, so LOCAL_WORLD_SIZE above them is a shared one (NCCL's
+    duplicate-GPU error, later); so is a node of several ranks and several GPUs with fewer GPUs than ranks."""
+    if local_world is not None and local_world > visible and (torchrun or visible > 1):
+        raise ValueError(
+            f"{local_world} ranks on this node (LOCAL_WORLD_SIZE) but {visible} GPU(s) visible to each: ranks would "
+            f"share a GPU; launch --nproc_per_node={visible}, or give each rank its own GPU"
+        )
     if visible == 1:
         return 0
     if not 0 <= local_rank < visible:
@@ -301,13 +349,35 @@ def check_inputs(hp, rank, world):
     return data, val
 
 
-def agree(ok, device, world):
-    """True when every rank is ok: one rank's bad input (a node's staged data) stops all of them now."""
+def sentence(error):
+    """An exception a check can meet as one sentence: ours are sentences already, an OSError (one rank's unreadable
+    file) names its file; anything else keeps its traceback on this rank's stderr, for whoever debugs it."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename or 'a file'}: {error.strerror}" + (f" ({error.filename2})" if error.filename2 else "")
+    if not isinstance(error, (ValueError, OSError)):
+        traceback.print_exc()
+        return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]} (traceback above)"
+    return str(error)
+
+
+def leave_together(error, device, world, rank):
+    """Go on when no rank has an error (a sentence, or None); else every rank exits 2 now, together, and rank 0 says
+    the first failing rank's sentence, naming the rank. One all-reduce, and an exchange of sentences only on failure:
+    one rank's bad input (a node's staged data, an unreadable file) never leaves the others in a collective."""
     if world == 1:
-        return ok
-    flag_tensor = torch.tensor([float(ok)], device=device)
-    dist.all_reduce(flag_tensor, op=dist.ReduceOp.MIN)
-    return flag_tensor.item() == 1.0
+        if error:
+            fail(f"error: {error}")
+        return
+    first = torch.tensor([rank if error else world], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    if (first := int(first.item())) == world:
+        return
+    errors = [None] * world
+    dist.all_gather_object(errors, error)
+    others = sum(e is not None for e in errors) - 1
+    if rank == 0:
+        fail(f"error: rank {first}: {errors[first]}" + (f" (and {others} other rank(s))" if others else ""))
+    sys.exit(2)
 
 
 def build_plan(hp, model_switches, device, world, budget_s, say):

@@ -68,8 +68,13 @@ def _assign_to_ranks(costs: list[float], world_size: int) -> list[int]:
     return owners
 
 
-# all_gather_single is torch >= 2.13's name; older releases call it all_gather_into_tensor.
-all_gather_flat = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+def flat_gather(distributed=dist):
+    """all_gather_single is torch >= 2.13's name; older releases (the floor, 2.6) call it all_gather_into_tensor.
+    None when neither exists (launch.torch_problem refuses that torch before the clock)."""
+    return getattr(distributed, "all_gather_single", None) or getattr(distributed, "all_gather_into_tensor", None)
+
+
+all_gather_flat = flat_gather()
 
 
 class Muon(torch.optim.Optimizer):

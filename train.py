@@ -34,7 +34,7 @@ from model import GPTConfig
 from checkpoint import CheckpointError
 from clock import Clock
 from rollback import Guard
-from plan import AUTO_EFFICIENCY, MIN_TOKENS_PER_STEP, TOKENS_PER_PARAM, peak_flops
+from plan import AUTO_EFFICIENCY, MIN_TOKENS_PER_STEP, TOKENS_PER_PARAM, peak_flops, shape_config
 from data import DataChanged
 from launch import agreed_budget, build_plan, fail, launch, resolve
 
@@ -161,8 +161,8 @@ class Hyperparameters:
     grad_reduce: str = flag(
         "bf16", "dtype of the gradient all-reduce across ranks: bf16 (half the bytes) or fp32", choices=("bf16", "fp32")
     )
-    collective_timeout_min: float = flag(
-        5.0, "a rank silent this long in a collective ends the job (> compile skew)", above=0.0
+    collective_timeout_min: float = flag(  # below seconds, the process-group set-up itself times out
+        5.0, "a rank silent this long in a collective ends the job (> compile skew)", at_least=0.05
     )
     slurm_reserve_s: float = flag(
         60.0, "under SLURM, seconds kept after training for the final save and exit", at_least=0.0
@@ -228,8 +228,27 @@ def check_flags(hp):
         raise ValueError(
             f"--warmup_frac {hp.warmup_frac} leaves no room for the decay: with wsd it must be at most 1 - --decay_frac"
         )
+    if hp.model != "auto":  # checked even when the shape flags override it: a typo is said, not hidden
+        shape_config(hp.model)
     if hp.device == "cuda" and not torch.cuda.is_available() and not hp.dry_run:
         raise ValueError("--device cuda was given but no CUDA device is visible")
+
+
+def overridden_flags(hp):
+    """A sentence for each flag given that other flags leave unused: said before the clock, never silently dropped."""
+    given = {f.name for f in dataclasses.fields(hp) if getattr(hp, f.name) != f.default}
+    shape = sorted({"n_layer", "n_head", "n_embd"} & given)
+    unused = {  # flag: why it is unused (when it is)
+        "model": shape and hp.shape_flags == "win" and f"the shape flags ({', '.join(shape)}) decide the shape",
+        "tokens_per_param": (shape and hp.shape_flags == "win" or hp.model != "auto") and "no --model auto to guide",
+        "adamw_lr": hp.optimizer == "muon" and "--optimizer muon trains the hidden matrices with --muon_lr",
+        **dict.fromkeys(
+            ("muon_lr", "muon_momentum", "muon_momentum_start", "momentum_warmup_frac"),
+            hp.optimizer == "adamw" and "--optimizer adamw uses no Muon",
+        ),
+        "world_size": not hp.dry_run and "it plans for another machine with --dry_run only; this launch's ranks train",
+    }
+    return [f"--{name} {getattr(hp, name)} is not used: {why}" for name, why in unused.items() if name in given and why]
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -261,10 +280,11 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", 
 
 
 def main(argv=None):
+    parent = os.getppid()  # the launcher, as early as this process can look
     stop_signal = []  # from here on: finish the current step (or micro-step), save, validate, exit 0
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), lambda sig, frame: stop_signal.append(sig))
-    stop_with_the_launcher()
+    stop_with_the_launcher(parent)
     hp, model_switches, unknown = parse_args(argv)
     say = print_on_rank0
     if unknown:
@@ -273,12 +293,14 @@ def main(argv=None):
         check_flags(hp)
     except ValueError as e:
         fail(f"error: {e}")
+    for sentence in overridden_flags(hp):
+        say(f"warning: {sentence}")
     if hp.dry_run:
         dry_run(hp, model_switches, say)
         return
     run = launch(hp, model_switches, stop_signal, say)
     try:
-        train(run)
+        saved = train(run)
     except RuntimeError as e:  # a dead or frozen rank: end now with the last checkpoint, not at the SLURM wall
         lost = isinstance(e, dist.DistError) or any(w in str(e).lower() for w in ("timed out", "connection"))
         if run.world == 1 or not lost:
@@ -289,25 +311,31 @@ def main(argv=None):
             f"{run.hp.checkpoint_path} holds the last save",
             code=1,
         )
+    code = 0 if saved else 1  # a failed final save: rank 0 still meets the others at the barrier, then exits 1
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
         if run.device.type == "cpu":  # torch 2.13's gloo can abort in interpreter teardown (~10% of clean runs)
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(0)
+            os._exit(code)
+    if code:
+        sys.exit(code)
 
 
-def stop_with_the_launcher():
+def stop_with_the_launcher(parent=None):
     """Under torchrun, a worker is sent SIGTERM when its launcher dies: torchrun forwards TERM, INT, HUP and QUIT,
-    but a signal it does not handle (USR1 from `sbatch --signal`) kills it outright and would orphan the worker."""
+    but a signal it does not handle (USR1 from `sbatch --signal`) kills it outright and would orphan the worker.
+    parent: the launcher's pid as first seen (default: now). A launcher that died before prctl took effect shows as
+    a changed parent; a parent of pid 1 is not a dead one, since torchrun is pid 1 as a container's entrypoint."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
+    parent = os.getppid() if parent is None else parent
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the launcher's own forwarding is all there is
         return
-    if os.getppid() == 1:  # the launcher died before prctl took effect
+    if os.getppid() != parent:  # the launcher died between the first look and prctl
         os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -425,19 +453,23 @@ def train(run):
     state.train_s = time.perf_counter() - t0
     gc.enable()
     run.loader.close()
-    finish(run, log, clock, amp, state, guard)
+    return finish(run, log, clock, amp, state, guard)
 
 
 def host_sync(run, clock, log, state, guard, loss_sum, elapsed, amp):
-    """One all-reduce for the slowest rank's clock, its pauses and any stop signal; the metrics row, the divergence
-    test (a rollback), the clock's decision, then what it plans into the pause: a snapshot, a background save, a
-    validation. Returns the stop reason."""
-    stats = torch.tensor([elapsed, state.paused, state.val_token_s, float(bool(run.stop_signal))], device=run.device)
+    """One all-reduce for the slowest rank's clock, its pauses, any stop signal and a rank whose data is gone; the
+    metrics row, the divergence test (a rollback), the clock's decision, then what it plans into the pause: a
+    snapshot, a background save, a validation. Returns the stop reason."""
+    data_rank = run.rank + 1 if run.data_gone else 0  # which rank's data is gone, if any: every rank stops with it
+    stats = torch.tensor(
+        [elapsed, state.paused, state.val_token_s, float(bool(run.stop_signal)), data_rank], device=run.device
+    )
     mean_loss = loss_sum / max(state.step - clock.prev_step, 1)
     if run.world > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
-    elapsed, paused_all, val_token_s_all, signalled = stats.tolist()
+        dist.all_reduce(mean_loss)  # a sum: gloo before torch 2.7 has no ReduceOp.AVG
+        mean_loss /= run.world
+    elapsed, paused_all, val_token_s_all, signalled, data_rank = stats.tolist()
     if state.step > clock.prev_step:
         loss = mean_loss.item()
         if math.isfinite(loss):
@@ -447,6 +479,9 @@ def host_sync(run, clock, log, state, guard, loss_sum, elapsed, amp):
             if not guard.roll_back(state.step, why, batch_lr_scale(step_tokens, run.hp, run.device.type)):
                 return "diverged"
     stop_reason = "signal" if signalled else clock.sync(state.step, elapsed, paused_all, val_token_s_all)
+    if data_rank:
+        run.say(f"stopping: rank {int(data_rank) - 1}: every training file changed under the run")
+        stop_reason = "data"
     log.notes()
     if run.rank == 0:
         log.failed_save(wait=False)
@@ -514,14 +549,30 @@ def accumulate(run, accum, amp, check_stop=False):
     for micro in range(accum):
         if check_stop and micro and stop_agreed(run):
             return None
-        x, y = next(run.loader)
+        (x, y), weight = next_batch(run)
         # gradients are all-reduced once per optimizer step, on the last micro-step
         with run.model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
             with amp:
                 _, loss = run.model(x, y, return_logits=False)
-            (loss / accum).backward()
+            (loss * (weight / accum)).backward()
         step_loss += loss.detach() / accum
     return step_loss
+
+
+def next_batch(run):
+    """(the next micro-batch, its loss weight). Once this rank's data is gone (DataChanged) in a multi-rank run, a
+    stand-in batch of the same shape with weight 0: the rank keeps meeting the others in the gradient all-reduce
+    until the next host sync stops every rank together ("data"), instead of leaving them in a collective."""
+    if run.data_gone is None:
+        try:
+            return next(run.loader), 1.0
+        except DataChanged as e:
+            if run.world == 1:
+                raise
+            run.data_gone = str(e)
+            print(f"rank {run.rank}: {e} Stopping every rank at the next host sync.", file=sys.stderr, flush=True)
+    stand_in = torch.zeros(run.plan.micro_batch, run.hp.seq_len, dtype=torch.long, device=run.device)
+    return (stand_in, stand_in), 0.0
 
 
 def stop_agreed(run):
@@ -566,8 +617,8 @@ def finish(run, log, clock, amp, state, guard):
         try:
             run.checkpointer.save(run.raw_model, log.meta(step, tokens), background=False)
             run.say(f"saved {hp.checkpoint_path} at step {step} ({state.stop_reason}) after {train_s:.1f}s")
-        except CheckpointError as e:
-            run.say(f"error: the final save failed: {e}")
+        except Exception as e:  # any failure: rank 0 still validates with the others and meets them at the barrier
+            run.say(f"error: the final save failed: {e if isinstance(e, CheckpointError) else repr(e)[:300]}")
             saved = False
     val_batches = clock.final_validation_batches()
     log.notes()
@@ -577,8 +628,7 @@ def finish(run, log, clock, amp, state, guard):
     log.emit(summary)
     run.say(json.dumps(summary))
     log.close()
-    if not saved:
-        sys.exit(1)
+    return saved
 
 
 def summary_row(run, clock, state, val_loss, val_batches):

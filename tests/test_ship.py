@@ -91,7 +91,7 @@ def submission(tmp_path_factory):
 def test_bundle_holds_model_train_requirements_and_no_repo_imports(submission):
     assert sorted(p.name for p in submission.iterdir()) == ["model.py", "requirements.txt", "train.py"]
     assert (submission / "model.py").read_bytes() == (REPO / "model.py").read_bytes()
-    assert (submission / "requirements.txt").read_text().split() == ["torch", "numpy", "tqdm"]
+    assert (submission / "requirements.txt").read_text().split() == ["torch>=2.6", "numpy", "tqdm"]
     source = (submission / "train.py").read_text()
     local = imported_roots((REPO / "train.py").read_text()) & REPO_MODULES
     loader_parts = {"windows", "shards", "synthetic", "prefetch"}  # pasted through data.py
