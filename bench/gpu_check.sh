@@ -95,7 +95,8 @@ part "$(awk "BEGIN { print int($TRAIN_MIN * 60 + 90) }")" "${TRAIN_MIN}-minute c
     bash -c 'python train.py "${@:2}" >"$1/train.log" 2>&1; rc=$?; tr "\r" "\n" <"$1/train.log" |
         grep -v "s/s\]" | tail -n 6; exit $rc' \
     _ "$OUT" --data_dir "$OUT/data" $TRAIN_SHAPE --compile --device "$DEVICE" --time_limit_min "$TRAIN_MIN" \
-    --val_every_min "$(awk "BEGIN { print $TRAIN_MIN / 4 }")" --checkpoint_path "$OUT/checkpoint.pt"
+    --val_every_min "$(awk "BEGIN { print $TRAIN_MIN / 4 }")" --checkpoint_path "$OUT/checkpoint.pt" \
+    --on_recompile fail
 part 20 "train.py run summary" python - "$OUT/metrics.jsonl" <<'EOF'
 import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
@@ -107,10 +108,12 @@ if s is None:  # the run died before its summary: say how far it got, then fail 
 steady = train[1:][len(train[1:]) // 2:]  # the first row carries compilation
 tok = sum(r["tokens_per_s"] for r in steady) / max(len(steady), 1)
 mfu = sum(r.get("mfu", 0.0) for r in steady) / max(len(steady), 1)
-print("| compile s | graphs (planned) | tokens/s (steady) | MFU (bf16 peak) | peak mem GiB | steps | train loss | val loss |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-print(f"| {s['compile_s']:.1f} | {s['compiled_graphs']} ({s['planned_graphs']}) | {tok:,.0f} | {mfu:.1%} | "
-      f"{s['peak_mem_gib']} | {s['steps']} | {train[-1]['train_loss']:.3f} | {s['val_loss']:.3f} |")
+print("| compile s | graphs (planned) | eager runs | rollbacks | tokens/s (steady) | MFU (bf16 peak) | peak mem GiB | "
+      "steps | train loss | val loss |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print(f"| {s['compile_s']:.1f} | {s['compiled_graphs']} ({s['planned_graphs']}) | {s['eager_runs']} | "
+      f"{len(s['rollbacks'])} | {tok:,.0f} | {mfu:.1%} | {s['peak_mem_gib']} | {s['steps']} | "
+      f"{train[-1]['train_loss']:.3f} | {s['val_loss']:.3f} |")
 plan = s["plan"]  # the plan's forecast next to what the device did: calibrates AUTO_EFFICIENCY["cuda"]
 step_ms = 1e3 * plan["micro_batch"] * plan["seq_len"] * s["grad_accum_steps"] * s["world_size"] / tok if tok else 0.0
 print("| plan tokens/step | micro x accum | forecast ms/step | measured ms/step (steady) | measured / forecast |")
