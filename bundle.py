@@ -20,7 +20,7 @@ import pathlib
 import sys
 
 # each after the modules it imports
-PASTED = ["checkpoint", "clock", "plan", "windows", "shards", "synthetic", "prefetch", "data", "muon", "launch"]
+PASTED = ["streams", "checkpoint", "clock", "plan", "windows", "shards", "synthetic", "prefetch", "data", "muon", "launch"]
 SHIPPED = "model"  # next to train.py, so its imports stay
 REQUIREMENTS = ["torch", "numpy", "tqdm"]
 
