@@ -20,7 +20,19 @@ import pathlib
 import sys
 
 # each after the modules it imports
-PASTED = ["streams", "checkpoint", "clock", "plan", "windows", "shards", "synthetic", "prefetch", "data", "muon", "launch"]
+PASTED = [
+    "checkpoint",
+    "clock",
+    "plan",
+    "windows",
+    "shards",
+    "synthetic",
+    "prefetch",
+    "data",
+    "muon",
+    "launch",
+    "streams",
+]
 SHIPPED = "model"  # next to train.py, so its imports stay
 REQUIREMENTS = ["torch", "numpy", "tqdm"]
 
