@@ -391,29 +391,43 @@ def launcher_env(env):
 
 def check_outputs(hp, say):
     """The checkpoint and metrics paths, checked against every way an output can destroy an input or land
-    somewhere unexpected; returns hp with a symlinked output replaced by its target (written, and said so)."""
+    somewhere unexpected; returns hp with a symlinked output replaced by its target (written, and said so). Files
+    are compared by identity (device, inode), not by path: a hard link or a bind mount reaches an input too."""
     folder = hp.data_dir or ""
     names = [os.path.join(folder, n) for n in (os.listdir(folder) if os.path.isdir(folder) else [])]
-    inputs = {os.path.realpath(p): p for p in [*names, *([hp.val_file] if hp.val_file else [])]}
+    given = [*names, *([hp.val_file] if hp.val_file else [])]
+    inputs = {**{os.path.realpath(p): p for p in given}, **{file_identity(p): p for p in given}}
+    inputs.pop(None, None)
     resolved = {}
     for flag in ("checkpoint_path", "metrics_path"):
         path = getattr(hp, flag)
         if not path.strip():
             raise ValueError(f"--{flag} is empty; name a file")
         real = os.path.realpath(path)
-        if real in inputs:
-            raise ValueError(f"--{flag} {path} is the input file {inputs[real]}; writing it would destroy it")
+        if (key := file_identity(path)) in inputs or (key := real) in inputs:
+            raise ValueError(f"--{flag} {path} is the input file {inputs[key]}; writing it would destroy it")
         if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode) and not os.path.isdir(real):
             raise ValueError(f"--{flag} {path} is a device, pipe or socket, not a file a checkpoint can replace")
         if os.path.islink(path):
             say(f"--{flag} {path} is a symlink: writing its target, {real}")
         resolved[flag] = real if os.path.islink(path) else path
         check_writable(resolved[flag], flag)
-    if os.path.realpath(resolved["checkpoint_path"]) == os.path.realpath(resolved["metrics_path"]):
+    same = os.path.realpath(resolved["checkpoint_path"]) == os.path.realpath(resolved["metrics_path"])
+    if same or file_identity(resolved["checkpoint_path"]) == file_identity(resolved["metrics_path"]) is not None:
         raise ValueError(
             f"--metrics_path and --checkpoint_path are both {resolved['metrics_path']}; each needs its own file"
         )
     return dataclasses.replace(hp, **resolved)
+
+
+def file_identity(path):
+    """(device, inode) of the file path reaches (through symlinks), or None when there is none: every path to one
+    file (a hard link, a symlink, a bind mount) has the same."""
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino
 
 
 def slurm_end_time():

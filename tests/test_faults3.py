@@ -272,5 +272,109 @@ def test_staging_replaces_stale_files_and_leaves_no_temporary_one(tmp_path, stag
     assert (dst / "chunk_0001.bin").stat().st_size == (stage_src / "chunk_0001.bin").stat().st_size
 
 
+# ----------------------------------------------------------------------------- 3. an output that reaches an input
+
+
+@pytest.fixture
+def hp_on(tmp_path, token_dir):
+    """Hyperparameters resolved as a run on a copy of token_dir writing into tmp_path would have them: (hp, data)."""
+    import shutil
+
+    import launch
+    import train
+
+    data = tmp_path / "data"
+    shutil.copytree(token_dir, data)
+    hp, _, _ = train.parse_args(["--data_dir", str(data), "--checkpoint_path", str(tmp_path / "ck.pt")])
+    return launch.resolve(hp, 1), data
+
+
+def hard_link(tmp, target, name="out.pt"):
+    os.link(target, tmp / name)
+    return str(tmp / name)
+
+
+IDENTITY_CASES = {
+    "metrics hard-linked to a chunk": (lambda tmp, d: {"metrics_path": hard_link(tmp, d / "chunk_0001.bin")}, "input"),
+    "checkpoint hard-linked to a chunk": (
+        lambda tmp, d: {"checkpoint_path": hard_link(tmp, d / "chunk_0002.bin")},
+        "input",
+    ),
+    "val_file hard-linked to the checkpoint": (
+        lambda tmp, d: {"val_file": hard_link(tmp, (tmp / "ck.pt").write_bytes(b"x") and tmp / "ck.pt", "v.bin")},
+        "input",
+    ),
+    "metrics hard-linked to the checkpoint": (
+        lambda tmp, d: {"metrics_path": hard_link(tmp, (tmp / "ck.pt").write_bytes(b"x") and tmp / "ck.pt", "m")},
+        "each needs its own",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", IDENTITY_CASES.values(), ids=IDENTITY_CASES.keys())
+def test_an_output_reaching_an_input_by_a_hard_link_is_refused(hp_on, tmp_path, case):
+    import dataclasses
+
+    import launch
+
+    hp, data = hp_on
+    make, words = case
+    hp = dataclasses.replace(hp, **make(tmp_path, data))
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    with pytest.raises(ValueError, match=words):
+        launch.check_outputs(hp, print)
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+
+
+def test_a_checkpoint_through_a_bind_mount_of_the_data_is_refused(hp_on, tmp_path):
+    import dataclasses
+
+    import launch
+
+    hp, data = hp_on
+    (tmp_path / "bound").mkdir()
+    if subprocess.run(["mount", "--bind", str(data), str(tmp_path / "bound")], capture_output=True).returncode:
+        pytest.skip("no bind mounts here (not root)")
+    try:
+        for flag in ("checkpoint_path", "metrics_path"):
+            with pytest.raises(ValueError, match="is the input file"):
+                launch.check_outputs(
+                    dataclasses.replace(hp, **{flag: str(tmp_path / "bound" / "chunk_0001.bin")}), print
+                )
+    finally:
+        subprocess.run(["umount", str(tmp_path / "bound")])
+
+
+@pytest.mark.slow
+def test_a_metrics_file_hard_linked_to_a_chunk_is_refused_end_to_end(tmp_path, token_dir):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(token_dir, data)
+    before = (data / "chunk_0001.bin").read_bytes()
+    os.link(data / "chunk_0001.bin", tmp_path / "metrics.jsonl")
+    args = [*on_tokens(data), *TINY, "--max_steps", "2"]
+    proc = subprocess.run(command(args, 1), cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "would destroy it" in proc.stderr and "Traceback" not in proc.stderr
+    assert (data / "chunk_0001.bin").read_bytes() == before and not (tmp_path / "checkpoint.pt").exists()
+
+
+METRICS_ROW = {"step": 1, "elapsed_s": 0.5, "lr_frac": 1.0, "train_loss": 9.0, "tokens": 1024, "tokens_per_s": 2048}
+
+
+def test_plot_out_never_overwrites_a_metrics_file_it_reads(tmp_path, capsys):
+    import plot
+
+    (tmp_path / "run").mkdir()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(json.dumps(METRICS_ROW) + "\n")
+    os.link(metrics, tmp_path / "curves.png")
+    for out in (metrics, tmp_path / "curves.png"):
+        with pytest.raises(SystemExit) as e:
+            plot.main([str(tmp_path / "run"), "--out", str(out)])
+        assert e.value.code == 2 and "would destroy it" in capsys.readouterr().err
+    assert metrics.read_text() == json.dumps(METRICS_ROW) + "\n"
+
+
 def _unused():  # keep imports used while classes are added
     return sys, Path
