@@ -9,6 +9,7 @@ CLI (data_cli.py): python data.py check DIR [--full] | synth OUT_DIR --tokens N 
 """
 
 import dataclasses
+import itertools
 import pathlib
 
 import numpy as np
@@ -218,7 +219,10 @@ class BatchLoader(Prefetcher):
         self.shards = Shards([len(array) for array in arrays], spec.seq_len, deal, folder)
         self.reader = WindowReader(arrays, spec, deal.rank)
         try:
-            windows = self.reader.stream(self.shards.ranges)
+            # the first usable range is read here, before the step-0 save: data in which no window can be formed
+            # (--doc_aligned with no document long enough, every id >= vocab_size) is a ValueError now, not later
+            stream = self.reader.stream(self.shards.ranges)
+            windows = itertools.chain([next(stream)], stream)
             name = f"batch-loader-{deal.rank}"
             super().__init__(windows, batch_size, spec.seq_len, device, prefetch_tokens, name)
         except BaseException:

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import math
 import os
 import stat
 import subprocess
@@ -430,10 +431,17 @@ def file_identity(path):
     return info.st_dev, info.st_ino
 
 
-def slurm_end_time():
-    """The SLURM job's end (unix seconds), or None outside SLURM or when it cannot be read."""
+def slurm_end_time(say=print):
+    """The SLURM job's end (unix seconds), or None outside SLURM or when it cannot be read (said)."""
     if "SLURM_JOB_END_TIME" in os.environ:
-        return float(os.environ["SLURM_JOB_END_TIME"])
+        try:
+            end = float(os.environ["SLURM_JOB_END_TIME"])
+        except ValueError:
+            end = math.nan
+        if not math.isfinite(end):
+            say(f"warning: SLURM_JOB_END_TIME={os.environ['SLURM_JOB_END_TIME']!r} is not a time; no SLURM deadline")
+            return None
+        return end
     if "SLURM_JOB_ID" not in os.environ:
         return None
     try:
@@ -448,7 +456,7 @@ def slurm_end_time():
 def training_budget(hp, rank, device, world, say):
     """Seconds of training: --time_limit_min, shrunk to end --slurm_reserve_s before the SLURM wall. Agreed."""
     budget = hp.time_limit_min * 60.0
-    end = slurm_end_time() if rank == 0 else None
+    end = slurm_end_time(say) if rank == 0 else None
     if end is not None and end - time.time() - hp.slurm_reserve_s < budget:
         budget = max(end - time.time() - hp.slurm_reserve_s, 1.0)
         say(

@@ -376,5 +376,59 @@ def test_plot_out_never_overwrites_a_metrics_file_it_reads(tmp_path, capsys):
     assert metrics.read_text() == json.dumps(METRICS_ROW) + "\n"
 
 
+# ----------------------------------------------------------------------------- 4. every check before the first write
+
+
+def late_bos_data(folder, files=3, tokens=20_000):
+    """Files whose only BOS is 5 tokens from the end: BOS is detected (rate 5e-5), but no window can start at one."""
+    import numpy as np
+
+    folder.mkdir()
+    for i in range(files):
+        ids = (np.arange(tokens) % 900 + 3).astype("<u2")
+        ids[-5] = 1
+        ids.tofile(folder / f"chunk_{i:04d}.bin")
+    return folder
+
+
+def test_data_in_which_no_window_can_be_formed_fails_when_the_loader_is_made(tmp_path):
+    import numpy as np
+
+    from data import BatchLoader, Deal, WindowSpec, load_token_data
+
+    data = load_token_data(late_bos_data(tmp_path / "data"), 1024, 64, 1000)
+    with pytest.raises(ValueError, match="too sparse for --doc_aligned"):
+        BatchLoader(data.train, WindowSpec(64, doc_aligned=True, bos_id=data.bos_id), 4, Deal(0, 1))
+    bad = [np.full(5000, 700, dtype="<u2")]  # every id >= vocab_size, in arrays the start-up check never sampled
+    with pytest.raises(ValueError, match="holds a token id >= vocab_size 500"):
+        BatchLoader(bad, WindowSpec(64, vocab_size=500), 4, Deal(0, 1))
+
+
+@pytest.mark.slow
+def test_a_run_in_which_no_window_can_be_formed_keeps_the_existing_checkpoint(tmp_path):
+    data = late_bos_data(tmp_path / "data")
+    (tmp_path / "checkpoint.pt").write_bytes(b"a good checkpoint of an earlier run")
+    args = ["--data_dir", str(data), "--vocab_size", "1024", *TINY, "--doc_aligned", "--max_steps", "2"]
+    proc = subprocess.run(command(args, 1), cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "too sparse for --doc_aligned" in proc.stderr
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"a good checkpoint of an earlier run"
+
+
 def _unused():  # keep imports used while classes are added
     return sys, Path
+
+
+# ----------------------------------------------------------------------------- 8. small ones
+
+
+@pytest.mark.parametrize("value", ["soon", "", "nan", "inf", "2025-01-01T10:00:00"])
+def test_a_slurm_end_time_that_is_not_a_time_is_one_warning_and_no_deadline(monkeypatch, value):
+    import launch
+
+    monkeypatch.setenv("SLURM_JOB_END_TIME", value)
+    said = []
+    assert launch.slurm_end_time(said.append) is None
+    assert len(said) == 1 and "is not a time; no SLURM deadline" in said[0]
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(time.time() + 300))
+    assert launch.slurm_end_time(said.append) > time.time() and len(said) == 1
