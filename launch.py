@@ -27,7 +27,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from model import get_model, model_config
 from data import SYNTH_STATES, BatchLoader, Deal, WindowSpec, find_token_files, load_token_data, val_batches
 from muon import all_gather_flat, build_optimizers
-from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
+from plan import (
+    AUTO_EFFICIENCY,
+    RAMP_MIN_STEPS,
+    TOKENS_PER_PARAM,
+    RunPlan,
+    agreed_matmul_rate,
+    device_memory,
+    make_plan,
+)
 from checkpoint import CheckpointError, Checkpointer, check_writable
 
 
@@ -330,9 +338,10 @@ def check_plan(plan, hp, memory, budget_s, say):
             raise ValueError(message)
         say(f"warning: {message}")
     if plan.steps == 0:
+        lower = "--batch_tokens" if hp.batch_tokens is not None else "--batch_size or --micro_batch"
         message = (
             f"one step of {plan.tokens_per_step:,} tokens is forecast at {plan.step_s:.3g} s, longer than the whole "
-            f"{budget_s:.3g} s budget; lower --batch_tokens or --batch_size, or raise --time_limit_min"
+            f"{budget_s:.3g} s budget; lower {lower}, or raise --time_limit_min"
         )
         if not hp.dry_run:
             raise ValueError(message)
@@ -341,6 +350,11 @@ def check_plan(plan, hp, memory, budget_s, say):
         say(
             f"warning: the plan fits {plan.steps} step(s) of {plan.step_s:.3g} s in the {budget_s:.3g} s budget "
             f"(--max_steps {hp.max_steps}): too few to warm up, hold and decay; the last step runs at the floor LR"
+        )
+    if hp.ramp_frac and hp.batch_tokens is None and not plan.ramp_frac:
+        say(
+            f"--ramp_frac {hp.ramp_frac:g} is off: --max_steps {hp.max_steps} leaves too few steps to ramp the batch "
+            f"over (a ramp needs {RAMP_MIN_STEPS} planned); the plan's batch throughout"
         )
     if hp.grad_accum_steps not in (None, plan.grad_accum_steps):
         say(f"--grad_accum_steps {hp.grad_accum_steps} is derived by the plan: {plan.grad_accum_steps}")
