@@ -486,6 +486,155 @@ def test_a_ramp_the_cap_leaves_no_room_for_is_one_line(tmp_path):
     assert plan["steps"] == 1 and plan["tokens"] > 0 and 0 < plan["train_s"] <= 600 and plan["ramp_frac"] == 0.0
 
 
+# ----------------------------------------------------------------------------- 6. many data files
+
+
+def many_files(folder, n_files, tokens=5000):
+    import numpy as np
+
+    folder.mkdir()
+    for i in range(n_files):
+        (np.arange(i, i + tokens) % 900 + 3).astype("<u2").tofile(folder / f"chunk_{i:05d}.bin")
+    return folder
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_reader_holds_a_bounded_number_of_files_open(tmp_path):
+    from data import BatchLoader, Deal, WindowSpec, load_token_data
+    from windows import MAX_OPEN_FILES
+
+    data = load_token_data(many_files(tmp_path / "data", 150, tokens=600), 1024, 15, 0)
+    before = open_fds()
+    with BatchLoader(data.train, WindowSpec(15), 16, Deal(0, 1), prefetch_tokens=0) as loader:
+        for _ in range(200):  # 3,200 windows: most of the 150 files' 5,600 blocks-worth are read
+            next(loader)
+            assert open_fds() - before <= MAX_OPEN_FILES + 2
+        assert len(loader.reader._files) == MAX_OPEN_FILES
+    assert open_fds() == before
+
+
+def limited(soft, hard):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.slow
+def test_a_folder_of_more_files_than_the_soft_limit_trains_and_check_agrees(tmp_path):
+    data = many_files(tmp_path / "data", 400)
+    args = ["--data_dir", str(data), "--vocab_size", "1024", *TINY, "--max_steps", "2"]
+    run = subprocess.run(
+        command(args, 1),
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limited(256, 4096),
+    )
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "open-file limit raised from 256 to 720 for 400 files" in run.stdout
+    check = subprocess.run(
+        [sys.executable, str(ROOT / "data.py"), "check", str(data), "--vocab_size", "1024", "--seq_len", "32"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limited(256, 4096),
+    )
+    assert check.returncode == 0 and "a run here: open-file limit raised from 256 to 720" in check.stdout
+
+
+@pytest.mark.slow
+def test_a_hard_limit_too_low_for_the_files_is_one_sentence_in_the_run_and_in_check(tmp_path):
+    data = many_files(tmp_path / "data", 400)
+    (tmp_path / "checkpoint.pt").write_bytes(b"an earlier run's")
+    args = ["--data_dir", str(data), "--vocab_size", "1024", *TINY, "--max_steps", "2"]
+    run = subprocess.run(
+        command(args, 1),
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limited(300, 300),
+    )
+    check = subprocess.run(
+        [sys.executable, str(ROOT / "data.py"), "check", str(data), "--vocab_size", "1024", "--seq_len", "32"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limited(300, 300),
+    )
+    for proc in (run, check):
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert "the 400 token files need about 720 open files, but this process may open at most 300" in proc.stderr
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"an earlier run's"
+
+
+# ----------------------------------------------------------------------------- 7. the data CLI
+
+
+def data_cli_run(argv, capsys):
+    import data_cli
+
+    try:
+        data_cli.main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code, capsys.readouterr().err
+    return 0, capsys.readouterr().err
+
+
+DATA_CLI_CASES = {
+    "tokens 0": (["synth", "OUT", "--tokens", "0"], "--tokens: '0' is not a whole number"),
+    "tokens nan": (["synth", "OUT", "--tokens", "nan"], "--tokens: 'nan' is not a whole number"),
+    "tokens inf": (["synth", "OUT", "--tokens", "inf"], "--tokens: 'inf' is not a whole number"),
+    "tokens 1.5": (["synth", "OUT", "--tokens", "1.5"], "--tokens: '1.5' is not a whole number"),
+    "chunk_tokens 0": (["synth", "OUT", "--tokens", "1e4", "--chunk_tokens", "0"], "--chunk_tokens"),
+    "doc_len 0": (["synth", "OUT", "--tokens", "1e4", "--doc_len", "0"], "--doc_len"),
+    "n_states above vocab": (["synth", "OUT", "--tokens", "1e4", "--vocab_size", "100"], "n_states <= vocab_size"),
+    "vocab 1e9": (["synth", "OUT", "--tokens", "1e4", "--vocab_size", "1e9"], "at most 65536"),
+    "seed -1": (["synth", "OUT", "--tokens", "1e4", "--seed", "-1"], "--seed"),
+    "check seq_len 0": (["check", "DATA", "--seq_len", "0"], "--seq_len"),
+    "check seq_len nan": (["check", "DATA", "--seq_len", "nan"], "--seq_len"),
+    "bench batches 0": (["bench", "DATA", "--batches", "0"], "--batches"),
+    "bench batch_size -1": (["bench", "DATA", "--batch_size", "-1"], "--batch_size"),
+    "synth into a file": (["synth", "DATA/chunk_0001.bin", "--tokens", "1e4"], "is a file, not a folder"),
+    "synth over existing chunks": (["synth", "DATA", "--tokens", "1e4"], "exists; synth never replaces token files"),
+}
+
+
+@pytest.mark.parametrize("case", DATA_CLI_CASES.values(), ids=DATA_CLI_CASES.keys())
+def test_data_cli_bad_counts_and_targets_are_one_sentence_and_exit_2(tmp_path, token_dir, capsys, case):
+    import shutil
+
+    argv, words = case
+    data = tmp_path / "data"
+    shutil.copytree(token_dir, data)
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    argv = [a.replace("OUT", str(tmp_path / "out")).replace("DATA", str(data)) for a in argv]
+    code, err = data_cli_run(argv, capsys)
+    assert code == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before and not (tmp_path / "out").exists()
+
+
+def test_synth_on_a_full_disk_leaves_no_partial_chunk(tmp_path, capsys):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (not root)")
+    try:
+        code, err = data_cli_run(["synth", disk / "out", "--tokens", "3e5", "--chunk_tokens", "5e4"], capsys)
+        assert code == 2 and "No space left on device" in err and err.count("\n") == 1, err
+        written = sorted(p.name for p in (disk / "out").iterdir())
+        assert written and all(p.startswith("chunk_") for p in written)  # whole chunks only, no temporary file
+        assert all((disk / "out" / p).stat().st_size == 100_000 for p in written)
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
 # ----------------------------------------------------------------------------- 8. small ones
 
 
