@@ -351,6 +351,12 @@ def check_plan(plan, hp, memory, budget_s, say):
             f"warning: the plan fits {plan.steps} step(s) of {plan.step_s:.3g} s in the {budget_s:.3g} s budget "
             f"(--max_steps {hp.max_steps}): too few to warm up, hold and decay; the last step runs at the floor LR"
         )
+    if hp.micro_batch is not None and plan.tokens_per_step > plan.asked_tokens_per_step:
+        say(
+            f"--micro_batch {hp.micro_batch}: {plan.tokens_per_step:,} tokens per step, not "
+            f"{plan.asked_tokens_per_step:,}: a step is whole micro-batches of {plan.world_size} x {plan.micro_batch} "
+            f"x {plan.seq_len} tokens"
+        )
     if hp.ramp_frac and hp.batch_tokens is None and not plan.ramp_frac:
         say(
             f"--ramp_frac {hp.ramp_frac:g} is off: --max_steps {hp.max_steps} leaves too few steps to ramp the batch "

@@ -66,6 +66,7 @@ class RunPlan:
     world_size: int
     seq_len: int
     tokens_per_step: int  # global, per optimizer step (after the batch ramp, if any)
+    asked_tokens_per_step: int  # what the rules asked for, before whole micro-batches rounded it up (no ramp)
     micro_batch: int  # sequences per device per forward/backward
     grad_accum_steps: int  # after the ramp
     start_accum: int  # the first step's: the recipe's batch when the cap binds and the ramp runs, else grad_accum_steps
@@ -173,7 +174,8 @@ def seconds_of_steps(steps, unit_s, start_accum, late_accum, ramp_end_s, budget_
 
 
 def _step_batches(costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, ramp_frac, sizing):
-    """(micro-batch, first step's accumulation, accumulation after the ramp) for --batch_tokens, or for the recipe's
+    """(micro-batch, first step's accumulation, accumulation after the ramp, the tokens per step asked for, or None
+    under a ramp) for --batch_tokens, or for the recipe's
     minimum raised so that the budget fits in STEP_HEADROOM x max_steps; when that cap binds and ramp_frac > 0, the
     micro-batch is the recipe's batch and the ramp grows from it (late_accum)."""
     kind, seq_len = sizing["kind"], sizing["seq_len"]
@@ -185,9 +187,9 @@ def _step_batches(costs, shape, tokens_per_s, world_size, budget_s, max_steps, b
             recipe_seqs = math.ceil(MIN_TOKENS_PER_STEP[kind] / (world_size * seq_len))
             micro_batch, start_accum = _micro_and_accum(costs, shape, recipe_seqs, **sizing)
             unit_s = world_size * micro_batch * seq_len / tokens_per_s
-            return micro_batch, start_accum, late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps)
+            return micro_batch, start_accum, late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps), None
     micro_batch, accum = _micro_and_accum(costs, shape, math.ceil(batch_tokens / (world_size * seq_len)), **sizing)
-    return micro_batch, accum, accum
+    return micro_batch, accum, accum, batch_tokens
 
 
 def _shape_plan(
@@ -214,7 +216,7 @@ def _shape_plan(
     sizing = dict(kind=kind, seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **micro)
     if STEP_HEADROOM * max_steps < RAMP_MIN_STEPS:  # too few steps to ramp over: the flat plan (launch.py says so)
         ramp_frac = 0.0
-    micro_batch, start_accum, accum = _step_batches(
+    micro_batch, start_accum, accum, asked = _step_batches(
         costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, ramp_frac, sizing
     )
     ramp = ramp_frac if batch_tokens is None else 0.0  # the clock ramps whenever a replan raises the batch too
@@ -234,6 +236,7 @@ def _shape_plan(
         world_size=world_size,
         seq_len=seq_len,
         tokens_per_step=tokens_per_step,
+        asked_tokens_per_step=asked or tokens_per_step,
         micro_batch=micro_batch,
         grad_accum_steps=accum,
         start_accum=start_accum,

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -416,10 +415,6 @@ def test_a_run_in_which_no_window_can_be_formed_keeps_the_existing_checkpoint(tm
     assert (tmp_path / "checkpoint.pt").read_bytes() == b"a good checkpoint of an earlier run"
 
 
-def _unused():  # keep imports used while classes are added
-    return sys, Path
-
-
 # ----------------------------------------------------------------------------- 5. the batch ramp under a tight cap
 
 
@@ -648,3 +643,56 @@ def test_a_slurm_end_time_that_is_not_a_time_is_one_warning_and_no_deadline(monk
     assert len(said) == 1 and "is not a time; no SLURM deadline" in said[0]
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(time.time() + 300))
     assert launch.slurm_end_time(said.append) > time.time() and len(said) == 1
+
+
+def test_plot_out_without_a_suffix_writes_and_reports_that_name(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import plot
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps({**METRICS_ROW, "step": s, "elapsed_s": s / 2}) for s in (1, 2)) + "\n")
+    plot.main([str(metrics), "--out", str(tmp_path / "curves")])
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'curves'}"
+    assert (tmp_path / "curves").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png").exists()
+
+
+def test_a_micro_batch_that_raises_the_tokens_per_step_says_so(event_plan):
+    import dataclasses
+
+    import launch
+    import train
+
+    lines = 0
+    for overrides in ({"micro_batch": 48}, {"micro_batch": 48, "batch_tokens": 524288}, {"micro_batch": 16}, {}):
+        plan, _ = event_plan(**overrides)
+        hp, _, _ = train.parse_args(["--dry_run", "--peak_tflops", "2250", "--device_memory_gib", "288"])
+        hp = dataclasses.replace(launch.resolve(hp, 1), **overrides)
+        said = []
+        launch.check_plan(plan, hp, 288 * 2**30, 600.0, said.append)
+        raised = [line for line in said if line.startswith("--micro_batch")]
+        assert plan.tokens_per_step >= plan.asked_tokens_per_step
+        assert len(raised) == (plan.tokens_per_step > plan.asked_tokens_per_step and "micro_batch" in overrides), said
+        lines += len(raised)
+    assert lines >= 2  # 48 x 1,024 x 32 ranks = 1.57M tokens: 2,555,904 asked becomes 3,145,728; 524,288 becomes 1.57M
+
+
+HELLASWAG_ROWS = {
+    "ctx_b null": {"ctx_a": "A man", "ctx_b": None, "endings": ["runs.", "sits."], "label": 0},
+    "ctx_b missing": {"ctx_a": "A man", "endings": ["runs.", "sits."], "label": 0},
+    "ctx null": {"ctx": None, "endings": ["runs.", "sits."], "label": 0},
+    "an ending null": {"ctx": "A man", "endings": ["runs.", None], "label": 0},
+    "label null": {"ctx": "A man", "endings": ["runs.", "sits."], "label": None},
+    "endings missing": {"ctx": "A man", "label": 0},
+}
+
+
+@pytest.mark.parametrize("row", HELLASWAG_ROWS.values(), ids=HELLASWAG_ROWS.keys())
+def test_a_hellaswag_row_missing_a_field_is_one_sentence_naming_the_row(tmp_path, row):
+    import eval as E
+
+    good = {"ctx": "A woman", "endings": ["walks.", "talks."], "label": 1}
+    path = tmp_path / "hs.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"line 2 is not an example") as e:
+        E.load_hellaswag(str(path))
+    assert "None" not in str(e.value).replace(str(path), "")
