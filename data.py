@@ -9,7 +9,9 @@ CLI (data_cli.py): python data.py check DIR [--full] | synth OUT_DIR --tokens N 
 """
 
 import dataclasses
+import itertools
 import pathlib
+import resource
 
 import numpy as np
 import torch
@@ -18,11 +20,12 @@ import torch
 from prefetch import Prefetcher
 from shards import BLOCK_WINDOWS, STAGED_MANIFEST, Deal, Shards, staged_blocks  # noqa: F401
 from synthetic import SYNTH_STATES, synthetic_entropy_nats, synthetic_tokens, write_synthetic  # noqa: F401
-from windows import BOS_ID, TOKEN_DTYPE, DataChanged, WindowReader, WindowSpec, is_file_map  # noqa: F401
+from windows import BOS_ID, MAX_OPEN_FILES, TOKEN_DTYPE, DataChanged, WindowReader, WindowSpec, is_file_map  # noqa: F401
 
 BOS_RATE_RANGE = (1e-5, 0.05)  # id 1 once per 20..100k tokens looks like document starts, not a common token
 SYNTH_TRAIN_TOKENS = 1 << 23  # embedded default data: ~8M training tokens, generated in well under a second
 SAMPLE_TOKENS = 1 << 18  # per file, read by the start-up check
+FD_RESERVE = 256  # open files a run needs besides its token files: torch's libraries, the loader, sockets, logs
 
 
 def find_token_files(data_dir):
@@ -40,6 +43,24 @@ def find_token_files(data_dir):
     if not files:
         raise FileNotFoundError(f"--data_dir {folder} holds no chunk_*.bin token files.")
     return files
+
+
+def open_file_room(n_files):
+    """Make room for a run's open files: each training file is memory-mapped (one descriptor each, for the run), the
+    reader holds up to MAX_OPEN_FILES more, and torch, the loader and the process group need some (FD_RESERVE). A
+    soft limit (`ulimit -n`, often 1024) below that is raised up to the hard limit: returns the note to log, or None
+    when there was room. A hard limit below it is a ValueError, here and in `python data.py check` alike."""
+    need = n_files + MAX_OPEN_FILES + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return None
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ValueError(
+            f"the {n_files} token files need about {need} open files, but this process may open at most {hard} "
+            f"(the hard `ulimit -n`); merge the files into fewer, or raise the hard limit."
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return f"open-file limit raised from {soft} to {need} for {n_files} files"
 
 
 def sample_slices(sizes, sample_tokens=SAMPLE_TOKENS, n_slices=8):
@@ -156,6 +177,7 @@ def load_token_data(data_dir, vocab_size, seq_len, val_tokens, val_file=None):
     if data_dir is None:
         return _synthetic_data(vocab_size, seq_len, val_tokens)
     files = find_token_files(data_dir)
+    fd_note = open_file_room(len(files))
     summary = check_token_files(files, vocab_size, seq_len)
     train = [np.memmap(path, dtype=TOKEN_DTYPE, mode="r") for path in files]
     if val_file is not None:
@@ -185,6 +207,7 @@ def load_token_data(data_dir, vocab_size, seq_len, val_tokens, val_file=None):
     source = (
         f"{len(files)} files in {data_dir}, {sum(map(len, train)):,} training tokens, validation = {where}, "
         f"BOS {f'id {BOS_ID}' if bos_id else 'not detected'} (rate {summary['bos_rate']:.1e})"
+        + (f"; {fd_note}" if fd_note else "")
     )
     return TokenData(train, val, summary, bos_id, source)
 
@@ -218,7 +241,10 @@ class BatchLoader(Prefetcher):
         self.shards = Shards([len(array) for array in arrays], spec.seq_len, deal, folder)
         self.reader = WindowReader(arrays, spec, deal.rank)
         try:
-            windows = self.reader.stream(self.shards.ranges)
+            # the first usable range is read here, before the step-0 save: data in which no window can be formed
+            # (--doc_aligned with no document long enough, every id >= vocab_size) is a ValueError now, not later
+            stream = self.reader.stream(self.shards.ranges)
+            windows = itertools.chain([next(stream)], stream)
             name = f"batch-loader-{deal.rank}"
             super().__init__(windows, batch_size, spec.seq_len, device, prefetch_tokens, name)
         except BaseException:

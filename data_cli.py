@@ -5,12 +5,13 @@ compute loop.
 """
 
 import argparse
+import math
 import sys
 import time
 
 import torch
 
-from data import BatchLoader, check_token_files, find_token_files, load_token_data
+from data import BatchLoader, check_token_files, find_token_files, load_token_data, open_file_room
 from shards import Deal
 from synthetic import SYNTH_STATES, synthetic_entropy_nats, write_synthetic
 from windows import BOS_ID, WindowSpec
@@ -18,7 +19,10 @@ from windows import BOS_ID, WindowSpec
 
 def _cli_check(args):
     start = time.perf_counter()
-    s = check_token_files(find_token_files(args.data_dir), args.vocab_size, args.seq_len, full=args.full)
+    files = find_token_files(args.data_dir)
+    if note := open_file_room(len(files)):  # as a run would: its limit, raised or refused alike
+        print(f"a run here: {note}")
+    s = check_token_files(files, args.vocab_size, args.seq_len, full=args.full)
     print(f"ok: {s['files']} files, {s['tokens']:,} tokens ({2 * s['tokens'] / 2**30:.2f} GiB) in {args.data_dir}")
     checked = "every token" if args.full else f"sampled {s['checked_tokens']:,} tokens"
     print(f"{checked}: ids {s['min_id']}..{s['max_id']} (--vocab_size {args.vocab_size})")
@@ -85,6 +89,22 @@ def _cli_bench(args):
     )
 
 
+def count(low=1, high=None):
+    """An argparse type: a whole number (1e8 is allowed) from low up to high, else one sentence."""
+
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value == int(value) and value >= low and (high is None or value <= high)):
+            top = f" and at most {high}" if high is not None else ""
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {low}{top}")
+        return int(value)
+
+    return parse
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="data.py", description="Check, synthesise or benchmark token data.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -93,25 +113,33 @@ def main(argv=None):
     check.add_argument("--full", action="store_true", help="read every token, not a sample (minutes on NFS)")
     synth = commands.add_parser("synth", help="write the synthetic Markov data in the event format")
     synth.add_argument("out_dir")
-    synth.add_argument("--tokens", type=lambda s: int(float(s)), required=True, help="e.g. 1e8")
-    synth.add_argument("--chunk_tokens", type=lambda s: int(float(s)), default=1 << 24)
-    for name, default in (("seed", 0), ("n_states", SYNTH_STATES), ("n_successors", 8), ("doc_len", 256)):
-        synth.add_argument(f"--{name}", type=int, default=default)
+    synth.add_argument("--tokens", type=count(), required=True, help="e.g. 1e8")
+    synth.add_argument("--chunk_tokens", type=count(), default=1 << 24)
+    synth.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
+    for name, default in (("n_states", SYNTH_STATES), ("n_successors", 8), ("doc_len", 256)):
+        synth.add_argument(f"--{name}", type=count(), default=default)
     bench = commands.add_parser("bench", help="loader tokens/s and its cost to a concurrent compute loop")
     bench.add_argument("data_dir")
-    bench.add_argument("--batch_size", type=int, default=64)
-    bench.add_argument("--batches", type=int, default=300)
-    bench.add_argument("--matmul", type=int, default=512, help="matrix size of the compute loop")
+    bench.add_argument("--batch_size", type=count(), default=64)
+    bench.add_argument("--batches", type=count(), default=300)
+    bench.add_argument("--matmul", type=count(), default=512, help="matrix size of the compute loop")
     bench.add_argument("--doc_aligned", action="store_true")
     for sub in (check, synth, bench):
-        sub.add_argument("--vocab_size", type=int, default=32000)
+        sub.add_argument("--vocab_size", type=count(2, 65536), default=32000)
     for sub in (check, bench):
-        sub.add_argument("--seq_len", type=int, default=1024)
+        sub.add_argument("--seq_len", type=count(), default=1024)
+    for sub in (parser, check, synth, bench):  # a flag argparse cannot read is one sentence too (--help: the usage)
+        sub.error = _refuse
     args = parser.parse_args(argv)
     try:
         {"check": _cli_check, "synth": _cli_synth, "bench": _cli_bench}[args.command](args)
-    except (FileNotFoundError, ValueError) as error:
-        sys.exit(f"error: {error}")
+    except (OSError, ValueError) as error:  # a user's folder, file or disk: one sentence, exit 2 (flags: argparse's)
+        _refuse(error)
+
+
+def _refuse(message):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

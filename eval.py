@@ -184,7 +184,8 @@ def load_hellaswag(path):
             continue
         try:
             row = json.loads(line)
-            context = row["ctx"] if "ctx" in row else f"{row['ctx_a']} {row['ctx_b']}".strip()
+            # a missing or null half is not text: join() refuses it (TypeError), an f-string would score "None"
+            context = row["ctx"] if "ctx" in row else " ".join((row["ctx_a"], row["ctx_b"])).strip()
             endings, label = row["endings"], row["label"]
             label = int(label) if isinstance(label, str) and label.isdigit() else label  # some dumps write "3"
             example = (

@@ -30,7 +30,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from model import get_model, model_config
 from data import SYNTH_STATES, BatchLoader, Deal, WindowSpec, find_token_files, load_token_data, val_batches
 from muon import all_gather_flat, build_optimizers, flat_gather
-from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
+from plan import (
+    AUTO_EFFICIENCY,
+    RAMP_MIN_STEPS,
+    TOKENS_PER_PARAM,
+    RunPlan,
+    agreed_matmul_rate,
+    device_memory,
+    make_plan,
+)
 from checkpoint import Checkpointer, check_writable
 
 
@@ -70,7 +78,7 @@ def launch(hp, model_switches, stop_signal, say):
         fail(f"error: {e}")
     hp = resolve(hp, world)
     device = init_device(hp, rank, local_rank, world)
-    deadline = training_deadline(hp, rank, device, world)
+    deadline = training_deadline(hp, rank, device, world, say)
     budget_s = budget_until(deadline, hp)  # first: the plan is made for the budget the run gets
     hp, data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, budget_s, say)
     eager_runs = EagerRuns(say, fail_on_miss=hp.on_recompile == "fail")
@@ -434,9 +442,10 @@ def check_plan(plan, hp, memory, budget_s, say):
             raise ValueError(message)
         say(f"warning: {message}")
     if plan.steps == 0:
+        lower = "--batch_tokens" if hp.batch_tokens is not None else "--batch_size or --micro_batch"
         message = (
             f"one step of {plan.tokens_per_step:,} tokens is forecast at {plan.step_s:.3g} s, longer than the whole "
-            f"{budget_s:.3g} s budget; lower --batch_tokens or --batch_size, or raise --time_limit_min"
+            f"{budget_s:.3g} s budget; lower {lower}, or raise --time_limit_min"
         )
         if not hp.dry_run:
             raise ValueError(message)
@@ -445,6 +454,17 @@ def check_plan(plan, hp, memory, budget_s, say):
         say(
             f"warning: the plan fits {plan.steps} step(s) of {plan.step_s:.3g} s in the {budget_s:.3g} s budget "
             f"(--max_steps {hp.max_steps}): too few to warm up, hold and decay; the last step runs at the floor LR"
+        )
+    if hp.micro_batch is not None and plan.tokens_per_step > plan.asked_tokens_per_step:
+        say(
+            f"--micro_batch {hp.micro_batch}: {plan.tokens_per_step:,} tokens per step, not "
+            f"{plan.asked_tokens_per_step:,}: a step is whole micro-batches of {plan.world_size} x {plan.micro_batch} "
+            f"x {plan.seq_len} tokens"
+        )
+    if hp.ramp_frac and hp.batch_tokens is None and not plan.ramp_frac:
+        say(
+            f"--ramp_frac {hp.ramp_frac:g} is off: --max_steps {hp.max_steps} leaves too few steps to ramp the batch "
+            f"over (a ramp needs {RAMP_MIN_STEPS} planned); the plan's batch throughout"
         )
     if hp.grad_accum_steps not in (None, plan.grad_accum_steps):
         say(f"--grad_accum_steps {hp.grad_accum_steps} is derived by the plan: {plan.grad_accum_steps}")
@@ -496,35 +516,56 @@ def launcher_env(env):
 
 def check_outputs(hp, say):
     """The checkpoint and metrics paths, checked against every way an output can destroy an input or land
-    somewhere unexpected; returns hp with a symlinked output replaced by its target (written, and said so)."""
+    somewhere unexpected; returns hp with a symlinked output replaced by its target (written, and said so). Files
+    are compared by identity (device, inode), not by path: a hard link or a bind mount reaches an input too."""
     folder = hp.data_dir or ""
     names = [os.path.join(folder, n) for n in (os.listdir(folder) if os.path.isdir(folder) else [])]
-    inputs = {os.path.realpath(p): p for p in [*names, *([hp.val_file] if hp.val_file else [])]}
+    given = [*names, *([hp.val_file] if hp.val_file else [])]
+    inputs = {**{os.path.realpath(p): p for p in given}, **{file_identity(p): p for p in given}}
+    inputs.pop(None, None)
     resolved = {}
     for flag in ("checkpoint_path", "metrics_path"):
         path = getattr(hp, flag)
         if not path.strip():
             raise ValueError(f"--{flag} is empty; name a file")
         real = os.path.realpath(path)
-        if real in inputs:
-            raise ValueError(f"--{flag} {path} is the input file {inputs[real]}; writing it would destroy it")
+        if (key := file_identity(path)) in inputs or (key := real) in inputs:
+            raise ValueError(f"--{flag} {path} is the input file {inputs[key]}; writing it would destroy it")
         if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode) and not os.path.isdir(real):
             raise ValueError(f"--{flag} {path} is a device, pipe or socket, not a file a checkpoint can replace")
         if os.path.islink(path):
             say(f"--{flag} {path} is a symlink: writing its target, {real}")
         resolved[flag] = real if os.path.islink(path) else path
         check_writable(resolved[flag], flag)
-    if os.path.realpath(resolved["checkpoint_path"]) == os.path.realpath(resolved["metrics_path"]):
+    same = os.path.realpath(resolved["checkpoint_path"]) == os.path.realpath(resolved["metrics_path"])
+    if same or file_identity(resolved["checkpoint_path"]) == file_identity(resolved["metrics_path"]) is not None:
         raise ValueError(
             f"--metrics_path and --checkpoint_path are both {resolved['metrics_path']}; each needs its own file"
         )
     return dataclasses.replace(hp, **resolved)
 
 
-def slurm_end_time():
-    """The SLURM job's end (unix seconds), or None outside SLURM or when it cannot be read."""
+def file_identity(path):
+    """(device, inode) of the file path reaches (through symlinks), or None when there is none: every path to one
+    file (a hard link, a symlink, a bind mount) has the same."""
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino
+
+
+def slurm_end_time(say=print):
+    """The SLURM job's end (unix seconds), or None outside SLURM or when it cannot be read (said)."""
     if "SLURM_JOB_END_TIME" in os.environ:
-        return float(os.environ["SLURM_JOB_END_TIME"])
+        try:
+            end = float(os.environ["SLURM_JOB_END_TIME"])
+        except ValueError:
+            end = math.nan
+        if not math.isfinite(end):
+            say(f"warning: SLURM_JOB_END_TIME={os.environ['SLURM_JOB_END_TIME']!r} is not a time; no SLURM deadline")
+            return None
+        return end
     if "SLURM_JOB_ID" not in os.environ:
         return None
     try:
@@ -536,10 +577,10 @@ def slurm_end_time():
         return None
 
 
-def training_deadline(hp, rank, device, world):
+def training_deadline(hp, rank, device, world, say):
     """The unix time training ends by: --slurm_reserve_s before the SLURM job's end (inf outside SLURM), read once by
     rank 0 and broadcast, so that every rank derives its budget from one absolute time."""
-    end = slurm_end_time() if rank == 0 else None
+    end = slurm_end_time(say) if rank == 0 else None
     deadline = math.inf if end is None else end - hp.slurm_reserve_s
     agreed = torch.tensor([deadline], dtype=torch.float64, device=device)
     if world > 1:

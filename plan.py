@@ -48,6 +48,9 @@ MIN_TOKENS_PER_STEP = {"cuda": 524288, "cpu": 2048}
 # GEMMs with this many rows already run at full speed; more would only cost activation memory
 MAX_MICRO_TOKENS = {"cuda": 32768, "cpu": 8192}
 PEAK_BF16_TFLOPS = {"B300": 2250, "B200": 2250, "H200": 989, "H100": 989, "A100": 312}  # dense, per GPU
+# a batch ramp needs room: planned under this many steps (a --max_steps under ~45) it grew in a few uneven jumps, and
+# in the clock's simulation (tests/test_faults3.py) runs ended with 4-95% of the budget used; the flat plan then
+RAMP_MIN_STEPS = 40
 BYTES_PER_PARAM = 16  # fp32 weight + grad + two AdamW moments (Muon keeps one): the upper bound
 # when the step cap forces the batch, split it into at least this many accumulation micro-steps: the clock can then
 # give steps back in 1/6 increments if the device is slower than forecast (only the accumulation moves after step 0:
@@ -67,6 +70,7 @@ class RunPlan:
     world_size: int
     seq_len: int
     tokens_per_step: int  # global, per optimizer step (after the batch ramp, if any)
+    asked_tokens_per_step: int  # what the rules asked for, before whole micro-batches rounded it up (no ramp)
     micro_batch: int  # sequences per device per forward/backward
     grad_accum_steps: int  # after the ramp
     min_accum: int  # the smallest the clock may replan to: the recipe's minimum tokens per step at this micro-batch
@@ -146,29 +150,54 @@ def _micro_and_accum(costs, shape, seqs, *, kind, seq_len, batch_size, micro_bat
 
 def late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps):
     """The smallest accumulation a ramp from start_accum over ramp_frac of the budget can grow to while all its
-    steps fit in STEP_HEADROOM x max_steps."""
-    accum = start_accum
-    while steps_between(0.0, budget_s, unit_s, start_accum, accum, ramp_frac * budget_s) > STEP_HEADROOM * max_steps:
-        accum += 1
-    return accum
+    steps fit in STEP_HEADROOM x max_steps (the steps only fall as it grows: doubled, then bisected)."""
+
+    def fits(accum):
+        steps = steps_between(0.0, budget_s, unit_s, start_accum, accum, ramp_frac * budget_s)
+        return steps <= STEP_HEADROOM * max_steps
+
+    low, high = start_accum - 1, start_accum  # fits(low) is false (or low is below the ramp's start)
+    while not fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
+def seconds_of_steps(steps, unit_s, start_accum, late_accum, ramp_end_s, budget_s):
+    """When the first `steps` steps end (at most budget_s): steps_between inverted, by bisection under a ramp."""
+    if ramp_end_s <= 0 or start_accum == late_accum:
+        return steps * unit_s * late_accum
+    low, high = 0.0, budget_s
+    for _ in range(60):
+        mid = (low + high) / 2
+        if steps_between(0.0, mid, unit_s, start_accum, late_accum, ramp_end_s) < steps:
+            low = mid
+        else:
+            high = mid
+    return high
 
 
 def _step_batches(costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, ramp_frac, sizing):
-    """(micro-batch, first step's accumulation, accumulation after the ramp) for --batch_tokens, or for the recipe's
+    """(micro-batch, first step's accumulation, accumulation after the ramp, the tokens per step asked for, or None
+    under a ramp) for --batch_tokens, or for the recipe's
     minimum raised so that the budget fits in STEP_HEADROOM x max_steps; when that cap binds and ramp_frac > 0, the
     micro-batch is the recipe's batch and the ramp grows from it (late_accum)."""
     kind, seq_len = sizing["kind"], sizing["seq_len"]
     if batch_tokens is None:
-        batch_tokens = max(MIN_TOKENS_PER_STEP[kind], math.ceil(tokens_per_s * budget_s / (STEP_HEADROOM * max_steps)))
+        # at least 1 / STEP_HEADROOM steps' worth of budget: with --max_steps 1 the one step fits inside the budget
+        steps = max(STEP_HEADROOM * max_steps, 1 / STEP_HEADROOM)
+        batch_tokens = max(MIN_TOKENS_PER_STEP[kind], math.ceil(tokens_per_s * budget_s / steps))
         if ramp_frac and batch_tokens > MIN_TOKENS_PER_STEP[kind]:
             recipe_seqs = math.ceil(MIN_TOKENS_PER_STEP[kind] / (world_size * seq_len))
             micro_batch, start_accum = _micro_and_accum(costs, shape, recipe_seqs, **sizing)
             unit_s = world_size * micro_batch * seq_len / tokens_per_s
-            return micro_batch, start_accum, late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps)
+            return micro_batch, start_accum, late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps), None
     forced = batch_tokens > MIN_TOKENS_PER_STEP[kind] and sizing["micro_batch"] is None
     seqs = math.ceil(batch_tokens / (world_size * seq_len))
     micro_batch, accum = _micro_and_accum(costs, shape, seqs, **sizing, split=FORCED_SPLIT if forced else 1)
-    return micro_batch, accum, accum
+    return micro_batch, accum, accum, batch_tokens
 
 
 def _shape_plan(
@@ -193,7 +222,9 @@ def _shape_plan(
     fpt = costs["flops_per_token"]
     tokens_per_s = matmul_rate * efficiency * world_size / fpt
     sizing = dict(kind=kind, seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **micro)
-    micro_batch, start_accum, accum = _step_batches(
+    if STEP_HEADROOM * max_steps < RAMP_MIN_STEPS:  # too few steps to ramp over: the flat plan (launch.py says so)
+        ramp_frac = 0.0
+    micro_batch, start_accum, accum, asked = _step_batches(
         costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, ramp_frac, sizing
     )
     ramp = ramp_frac if batch_tokens is None else 0.0  # the clock ramps whenever a replan raises the batch too
@@ -201,7 +232,7 @@ def _shape_plan(
     step_s = tokens_per_step / tokens_per_s
     steps_fit = steps_between(0.0, budget_s, step_s / accum, start_accum, accum, ramp * budget_s)
     steps = min(max_steps, int(steps_fit))
-    train_s = budget_s - (steps_fit - steps) * step_s if steps < max_steps else steps * step_s
+    train_s = seconds_of_steps(steps, step_s / accum, start_accum, accum, ramp * budget_s, budget_s)
     tokens = int(train_s * tokens_per_s) if ramp else steps * tokens_per_step
     memory = memory_needed(costs, shape, micro_batch, seq_len, bf16)
     return RunPlan(
@@ -213,6 +244,7 @@ def _shape_plan(
         world_size=world_size,
         seq_len=seq_len,
         tokens_per_step=tokens_per_step,
+        asked_tokens_per_step=asked or tokens_per_step,
         micro_batch=micro_batch,
         grad_accum_steps=accum,
         min_accum=min(accum, max(1, math.ceil(MIN_TOKENS_PER_STEP[kind] / (world_size * micro_batch * seq_len)))),

@@ -141,6 +141,9 @@ def plot_runs(paths, out):
     if not pathlib.Path(out).parent.is_dir():
         raise ValueError(f"--out {out}: the folder {pathlib.Path(out).parent} does not exist.")
     runs = [load_run(path) for path in paths]
+    for path in paths:  # by identity: a hard link or another path to an input is that input
+        if pathlib.Path(out).exists() and metrics_file(path).samefile(out):
+            raise ValueError(f"--out {out} is the metrics file {metrics_file(path)}; writing it would destroy it.")
     if not runs:
         raise ValueError("no runs to plot.")
     facts = [run_facts(run["summary"]) for run in runs]
@@ -213,7 +216,8 @@ def plot_runs(paths, out):
     title = ", ".join(shared.values())
     fig.suptitle(f"{len(runs)} run{'s' if len(runs) > 1 else ''}" + (f": {title}" if title else ""), fontsize=14)
     try:
-        fig.savefig(out, dpi=110)
+        # without a suffix matplotlib would write NAME.png and the run would report NAME: write NAME, as a PNG
+        fig.savefig(out, dpi=110, format=None if pathlib.Path(out).suffix else "png")
     except (ValueError, OSError) as e:  # a format matplotlib does not write, a file it may not write
         raise ValueError(f"--out {out}: {e}") from None
     return fig

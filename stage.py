@@ -29,7 +29,7 @@ import time
 
 from data import find_token_files, sample_slices
 from shards import BLOCK_WINDOWS, STAGED_MANIFEST, block_layout, staged_blocks
-from train import parse_args
+from train import check_flags, parse_args
 
 COPY_BYTES = 1 << 26  # one read and write at most; ranges are block-sized (131 KB at the event) or merged ones
 
@@ -46,19 +46,52 @@ def merged(ranges):
 
 
 def copy_ranges(src, dst, ranges):
-    """dst: a file of src's size holding src's bytes in the token ranges, the rest a hole. Returns bytes copied."""
-    copied = 0
-    with open(src, "rb") as source, open(dst, "wb") as target:
-        target.truncate(os.fstat(source.fileno()).st_size)
-        for start, end in merged(ranges):
-            for offset in range(2 * start, 2 * end, COPY_BYTES):
-                size = min(COPY_BYTES, 2 * end - offset)
-                chunk = os.pread(source.fileno(), size, offset)
-                if len(chunk) != size:
-                    raise ValueError(f"{src} ended at byte {offset + len(chunk):,}: it shrank while being staged.")
-                os.pwrite(target.fileno(), chunk, offset)
-                copied += size
+    """dst: a file of src's size holding src's bytes in the token ranges, the rest a hole. Returns bytes copied.
+    Written under a temporary name and renamed over dst: a link at dst (to a source chunk, say) is replaced, never
+    written through, and a copy that fails leaves no partial file that looks staged."""
+    copied, tmp = 0, dst.with_name(f".{dst.name}.staging")
+    tmp.unlink(missing_ok=True)
+    try:
+        with open(src, "rb") as source, open(tmp, "xb") as target:
+            target.truncate(os.fstat(source.fileno()).st_size)
+            for start, end in merged(ranges):
+                for offset in range(2 * start, 2 * end, COPY_BYTES):
+                    size = min(COPY_BYTES, 2 * end - offset)
+                    chunk = os.pread(source.fileno(), size, offset)
+                    if len(chunk) != size:
+                        raise ValueError(f"{src} ended at byte {offset + len(chunk):,}: it shrank while being staged.")
+                    os.pwrite(target.fileno(), chunk, offset)
+                    copied += size
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return copied
+
+
+def file_id(path):
+    """A file's identity, (device, inode), through symlinks: the same for every path that reaches it (a hard link,
+    a symlink, a bind mount)."""
+    info = os.stat(path)
+    return info.st_dev, info.st_ino
+
+
+def check_destination(src, dst, files, val_file=None):
+    """Refuse a destination through which staging would write to its source: the source folder by another path
+    (itself, a symlink, a bind mount), or a folder whose files are source files (hard or symbolic links); and one
+    that is not a folder."""
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"the destination {dst} is a file, not a folder; name the node-local folder to stage into.")
+    if dst.is_dir() and file_id(dst) == file_id(src):
+        raise ValueError(f"the destination {dst} is the source folder {src}; staging would overwrite the source data.")
+    sources = {file_id(path): path for path in [*files, *([val_file] if val_file and os.path.isfile(val_file) else [])]}
+    for path in files:
+        target = dst / path.name
+        if target.exists() and file_id(target) in sources:
+            raise ValueError(
+                f"{target} is the source file {sources[file_id(target)]} (a link to it); staging would overwrite it: "
+                f"stage into an empty folder."
+            )
 
 
 def stage(src, dst, tokens, world_size, margin, nodes, nproc, hp, workers=8):
@@ -84,6 +117,7 @@ def stage(src, dst, tokens, world_size, margin, nodes, nproc, hp, workers=8):
         for block in staged_blocks(len(start), rank, world, hp.seed, per_rank):
             ranges[index[block]].append((int(start[block]), int(end[block])))
     dst = pathlib.Path(dst)
+    check_destination(pathlib.Path(src), dst, files, None if hp.val_file == "auto" else hp.val_file)
     dst.mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # several reads in flight: NFS latency, not bandwidth
         copied = sum(pool.map(copy_ranges, files, [dst / path.name for path in files], ranges))
@@ -99,8 +133,11 @@ def stage(src, dst, tokens, world_size, margin, nodes, nproc, hp, workers=8):
         "tokens": tokens,
         "margin": margin,
     }
-    (dst / f"{STAGED_MANIFEST}.tmp").write_text(json.dumps(manifest))
-    (dst / f"{STAGED_MANIFEST}.tmp").rename(dst / STAGED_MANIFEST)  # last: a half-staged folder has no manifest
+    tmp = dst / f".{STAGED_MANIFEST}.staging"
+    tmp.unlink(missing_ok=True)
+    with open(tmp, "x") as file:
+        file.write(json.dumps(manifest))
+    tmp.replace(dst / STAGED_MANIFEST)  # last: a half-staged folder has no manifest
     return (
         f"stage {me}: ranks {ranks[0]}-{ranks[-1]} of {world}, {per_rank:,} blocks each ({margin} x the plan's "
         f"{tokens:,} tokens / {world}) + validation + check slices: {copied / 1e9:.3f} of "
@@ -124,15 +161,36 @@ def main(argv=None):
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     hp, _, _ = parse_args(argv[split + 1 :])
-    plan = json.loads(args.plan)
     start = time.perf_counter()
     try:
-        line = stage(
-            args.src, args.dst, plan["tokens"], plan["world_size"], args.margin, args.nodes.split(","), args.nproc, hp
-        )
-    except (FileNotFoundError, ValueError) as error:
-        sys.exit(f"error: {error}")
+        check_flags(hp)
+        tokens, world_size = read_plan(args.plan)
+        if not (math.isfinite(args.margin) and args.margin > 0):
+            raise ValueError(
+                f"--margin must be a finite number above 0 (tokens staged / the plan's), not {args.margin}."
+            )
+        if args.nproc < 1:
+            raise ValueError(f"--nproc must be at least 1, not {args.nproc}.")
+        line = stage(args.src, args.dst, tokens, world_size, args.margin, args.nodes.split(","), args.nproc, hp)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
     print(f"{line} in {time.perf_counter() - start:.1f} s -> {args.dst}", flush=True)
+
+
+def read_plan(text):
+    """(tokens, world size) from the JSON line `python train.py --dry_run` prints last."""
+    try:
+        plan = json.loads(text)
+        tokens, world_size = plan["tokens"], plan["world_size"]
+    except (ValueError, KeyError, TypeError):
+        plan, tokens, world_size = None, None, None
+    if not (type(tokens) is int and tokens > 0 and type(world_size) is int and world_size > 0):
+        raise ValueError(
+            f"--plan {text[:80]!r} is not the plan's JSON line (with positive integer tokens and world_size) that "
+            f"`python train.py --dry_run ...` prints last."
+        )
+    return tokens, world_size
 
 
 if __name__ == "__main__":

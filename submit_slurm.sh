@@ -33,18 +33,22 @@ TIME_LIMIT_MIN=${TIME_LIMIT_MIN:-10}        # training budget; the rest of the w
 HEAD=${RDZV_HOST:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
 # torchrun waits RDZV_TIMEOUT seconds for every node's torchrun (its own default, 600 s, is most of the wall)
 RDZV_TIMEOUT=${RDZV_TIMEOUT:-120}
+# The job log may go away (a full disk, a `| tee` killed by scancel): a log line never ends the job. Each is written
+# in a subshell that ignores SIGPIPE (so the shell gets EPIPE, not killed), stdout first, else stderr, else dropped.
+say() { (trap '' PIPE; echo "$*") 2>/dev/null || say_err "$*"; }
+say_err() { (trap '' PIPE; echo "$*" >&2) || true; }
 
 # A busy rendezvous port hangs torchrun silently past any timeout (it talks to whatever holds the port): this
 # script runs on the head node, so it checks the port there, and moves off the default one when another job has it.
 port_free() { python3 -c 'import socket, sys; socket.socket().bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
 if [[ -z "${RDZV_HOST:-}" && "$(hostname -s)" == "${HEAD%%.*}" ]]; then
     if [[ -n "${RDZV_PORT:-}" ]] && ! port_free "$RDZV_PORT"; then
-        echo "error: RDZV_PORT $RDZV_PORT is in use on $HEAD; unset RDZV_PORT to let the job choose one" >&2
+        say_err "error: RDZV_PORT $RDZV_PORT is in use on $HEAD; unset RDZV_PORT to let the job choose one" >&2
         exit 2
     fi
     if [[ -z "${RDZV_PORT:-}" ]]; then
         for RDZV_PORT in $(seq 29500 29599); do port_free "$RDZV_PORT" && break; done
-        [[ $RDZV_PORT == 29500 ]] || echo "rendezvous: port 29500 is in use on $HEAD; using $RDZV_PORT"
+        [[ $RDZV_PORT == 29500 ]] || say "rendezvous: port 29500 is in use on $HEAD; using $RDZV_PORT"
     fi
 fi
 RDZV_PORT=${RDZV_PORT:-29500}
@@ -59,12 +63,12 @@ else
 fi
 
 mkdir -p "$OUT_DIR"
-echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES nodes x $NPROC procs, head $HEAD:$RDZV_PORT, data '${DATA_DIR}', out $OUT_DIR"
+say "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES nodes x $NPROC procs, head $HEAD:$RDZV_PORT, data '${DATA_DIR}', out $OUT_DIR"
 
 # The fabric: which interface the ranks' sockets use (NCCL's bootstrap and TCP, gloo's collectives); each library
 # picks one itself when unset. --export=ALL hands them, and all the rest, to the ranks on every node.
 FABRIC=$(env | grep -E '^(NCCL|GLOO)_[A-Z_]*=' | sort | paste -sd ' ' || true)
-echo "fabric: ${FABRIC:-library defaults (no NCCL_* or GLOO_* set)}"
+say "fabric: ${FABRIC:-library defaults (no NCCL_* or GLOO_* set)}"
 
 # Stage to node-local disk before torchrun starts, so the training clock never waits on shared storage: only what
 # this node's ranks can read (stage.py: their blocks for the plan's tokens x STAGE_MARGIN, default 1.5, the
@@ -87,7 +91,8 @@ if [[ -n "$DATA_DIR" ]]; then DATA_FLAGS=(--data_dir "$DATA_DIR"); fi
 # --kill-on-bad-exit: a node whose torchrun fails ends the step on every node now, not at a collective timeout or
 # the wall; the wrapper names that node in one line.
 srun --ntasks-per-node=1 --cpu-bind=none --kill-on-bad-exit=1 --export=ALL \
-    bash -c 'torchrun "$@"; rc=$?; echo "node $(hostname): torchrun exited $rc"; exit $rc' node \
+    bash -c 'torchrun "$@"; rc=$?; trap "" PIPE; line="node $(hostname): torchrun exited $rc"
+        echo "$line" 2>/dev/null || echo "$line" >&2; exit $rc' node \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC" \
     --rdzv_backend=c10d --rdzv_endpoint="$HEAD:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
     --rdzv_conf=join_timeout="$RDZV_TIMEOUT" \

@@ -5,6 +5,7 @@ synthetic_entropy_nats is its entropy rate; write_synthetic writes it in the eve
 numpy + stdlib only.
 """
 
+import os
 import pathlib
 
 import numpy as np
@@ -74,14 +75,37 @@ def write_synthetic(
     n_successors=8,
     doc_len=256,
 ):
-    """Write n_tokens synthetic tokens in the event format: chunk_0001.bin, chunk_0002.bin, ..."""
+    """Write n_tokens synthetic tokens in the event format: chunk_0001.bin, chunk_0002.bin, ... Never over an
+    existing file (a ValueError before anything is written); each chunk is written under a temporary name and
+    renamed, so a write that fails (a full disk) leaves no partial chunk that looks valid."""
+    if n_tokens < 1 or chunk_tokens < 1:
+        raise ValueError(
+            f"synthetic data needs at least 1 token and 1 token per chunk, got {n_tokens}, {chunk_tokens}."
+        )
+    synthetic_tokens(1, vocab_size, seed, n_states, n_successors, doc_len)  # the chain's own checks, first
     out = pathlib.Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a folder to write token files into.")
+    paths = [out / f"chunk_{part + 1:04d}.bin" for part in range(-(-n_tokens // chunk_tokens))]
+    if existing := [path for path in paths if path.exists() or path.is_symlink()]:
+        raise ValueError(f"{existing[0]} exists; synth never replaces token files: write into a new or empty folder.")
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for part, start in enumerate(range(0, n_tokens, chunk_tokens)):
+    for part, path in enumerate(paths):
+        start = part * chunk_tokens
         tokens = synthetic_tokens(
             min(chunk_tokens, n_tokens - start), vocab_size, seed, n_states, n_successors, doc_len, part=part
         )
-        paths.append(out / f"chunk_{part + 1:04d}.bin")
-        tokens.astype(TOKEN_DTYPE).tofile(paths[-1])
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "xb") as file:
+                file.write(tokens.astype(TOKEN_DTYPE).tobytes())
+            os.rename(tmp, path)
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            raise ValueError(
+                f"{path} could not be written ({error.strerror or error}); the {part} chunk(s) before it are whole."
+            ) from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return paths

@@ -37,6 +37,7 @@ from rollback import Guard
 from plan import AUTO_EFFICIENCY, MIN_TOKENS_PER_STEP, TOKENS_PER_PARAM, peak_flops, shape_config
 from data import DataChanged
 from launch import agreed_budget, build_plan, fail, launch, resolve
+from streams import guard_log_streams, lost_log_streams
 
 
 def flag(default, help, kind=None, choices=None, at_least=None, above=None, below=None, at_most=None):
@@ -281,6 +282,7 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", 
 
 def main(argv=None):
     parent = os.getppid()  # the launcher, as early as this process can look
+    guard_log_streams()  # a log stream that goes away (a killed tee, a hang-up, a full disk) never ends the run
     stop_signal = []  # from here on: finish the current step (or micro-step), save, validate, exit 0
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), lambda sig, frame: stop_signal.append(sig))
@@ -663,6 +665,7 @@ def summary_row(run, clock, state, val_loss, val_batches):
         "time_limit_min": run.hp.time_limit_min,
         "grad_accum_steps": clock.accum,
         "bad_windows": bad_windows.item(),
+        "lost_streams": lost_log_streams(),
         "step0_saved_unix": run.step0_saved_unix,
         "clock_start_unix": first_clock.item(),
         "plan": dataclasses.asdict(run.plan),

@@ -9,6 +9,7 @@ sparse bad ids cost a few windows here instead of an IndexError mid-run. A file 
 under the run is skipped from then on, said once per file; with no file left, DataChanged. numpy + stdlib only.
 """
 
+import collections
 import dataclasses
 import itertools
 import mmap
@@ -20,6 +21,7 @@ import numpy as np
 # alone, in the organizers' folder).
 TOKEN_DTYPE = np.dtype("<u2")
 BOS_ID = 1  # document start in Llama/Mistral-style 32K vocabularies
+MAX_OPEN_FILES = 64  # token files a reader holds open at once (each block read is one file's; reopening is cheap)
 
 
 class DataChanged(ValueError):
@@ -72,7 +74,21 @@ class WindowReader:
     def __init__(self, arrays, spec, rank=0):
         self.arrays, self.spec, self.rank = arrays, spec, rank
         self.bad_windows, self._warned, self._damaged = 0, False, set()
-        self._files = [open(array.filename, "rb") if is_file_map(array) else None for array in arrays]
+        self._files = collections.OrderedDict()  # array index -> its open file, the most recently read last
+
+    def _file(self, index):
+        """The open file of array index, or None for an array in memory; at most MAX_OPEN_FILES are held (the least
+        recently read is closed first), so a folder of thousands of files needs no more descriptors than a few."""
+        array = self.arrays[index]
+        if not is_file_map(array):
+            return None
+        if index in self._files:
+            self._files.move_to_end(index)
+            return self._files[index]
+        if len(self._files) >= MAX_OPEN_FILES:
+            self._files.popitem(last=False)[1].close()
+        self._files[index] = open(array.filename, "rb")
+        return self._files[index]
 
     def stream(self, epoch_ranges):
         """(epoch, windows) for each range that holds a usable window, epoch after epoch: epoch_ranges(epoch) gives
@@ -107,7 +123,7 @@ class WindowReader:
 
     def read(self, index, start, end):
         """Tokens [start, end) of array index."""
-        array, file = self.arrays[index], self._files[index]
+        array, file = self.arrays[index], self._file(index)
         if file is None:
             return np.array(array[start:end])
         tokens = np.empty(end - start, dtype=array.dtype)
@@ -167,6 +183,5 @@ class WindowReader:
             raise DataChanged(f"every training file changed under the run; rank {self.rank} has nothing left to read.")
 
     def close(self):
-        for file in self._files:
-            if file is not None:
-                file.close()
+        while self._files:
+            self._files.popitem()[1].close()

@@ -134,8 +134,9 @@ def test_sparse_bad_ids_pass_the_sample_and_fail_the_full_scan(tmp_path, capsys)
     )
     with pytest.raises(ValueError, match=message):
         check_token_files(files, 32000, 127, full=True)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit) as exit_info:
         data_cli.main(["check", str(tmp_path), "--full", "--seq_len", "127"])
+    assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err)
     stats = data._id_stats(data._file_chunks(files[0], chunk_tokens=1000), 32000)  # positions across reads
     assert stats["bad"] == 10 and stats["first_bad"] == (40000, positions[0]) and stats["seen"] == 1 << 21
 
@@ -495,6 +496,8 @@ def test_cli_synth_check_bench(tmp_path, capsys):
         [sys.executable, repo / "data.py", "check", tmp_path], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and "ok: 2 files, 200,000 tokens" in done.stdout, done.stderr[-2000:]
-    with pytest.raises(SystemExit, match="error: .*odd size"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
         (tmp_path / "chunk_0003.bin").write_bytes(b"\0" * 3001)
         data_cli.main(["check", str(tmp_path)])
+    assert exit_info.value.code == 2 and re.search("error: .*odd size", capsys.readouterr().err)
