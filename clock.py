@@ -260,7 +260,8 @@ class Clock:
         if self.val_every_s > 0 and self.unit_s is not None:
             future_vals = max(math.ceil((self.val_until_s - elapsed) / self.val_every_s), 0)
             reserve_s = future_vals * self._batches_per_validation()[1]
-        if self.may_replan and self.unit_s is not None and elapsed < self.budget_s / 2:
+        # in the first half of the time after the compile step: later, the batch stays through the decay
+        if self.may_replan and self.unit_s is not None and elapsed < (self.start_s + self.budget_s) / 2:
             # the device is not the forecast: the accumulation follows it, so the run ends near the step cap's steps
             floor = self.accum if self.ramp_frac else self.min_accum  # a ramp plans its own growth: only up
             new = replanned_accum(
