@@ -628,8 +628,8 @@ def finish(run, log, clock, amp, state, guard):
     log.emit({"step": step, "elapsed_s": round(train_s, 3), "tokens": tokens, "val_loss": val_loss})
     summary = {**summary_row(run, clock, state, val_loss, val_batches), "rollbacks": guard.rollbacks}
     log.emit(summary)
-    run.say(json.dumps(summary))
-    log.close()
+    log.close(train_s)
+    run.say(human_summary(summary, hp))
     return saved
 
 
@@ -736,10 +736,23 @@ class Logger:
         if error:
             self.run.say(f"warning: a background checkpoint save failed ({error}); training goes on")
 
-    def close(self):
+    def close(self, train_s):
+        """The bar ends where training ended (all of it, on the clock), then closes; the metrics file too."""
+        self.bar.update(min(round(train_s), self.bar.total) - self.bar.n)
         self.bar.close()
         if self.run.metrics is not None:
             self.run.metrics.close()
+
+
+def human_summary(summary, hp):
+    """The end of a run in two lines; the full summary row is the last line of the metrics file."""
+    floor = " (the floor)" if summary["final_lr_frac"] <= hp.min_lr_frac else ""
+    return (
+        f"done: {summary['steps']:,} steps on {summary['world_size']} rank(s), {summary['tokens'] / 1e6:,.4g}M tokens "
+        f"in {summary['train_s']:.1f} s ({summary['stop_reason']}), LR fraction {summary['final_lr_frac']:.3g} at "
+        f"the end{floor}; val loss {summary['val_loss']:.4f} on {summary['val_batches']} batches\n"
+        f"checkpoint: {hp.checkpoint_path}; metrics, with the full summary row: {hp.metrics_path}"
+    )
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ log=$(ls "$CI_DIR"/job-*.out)
 first=$(head -n 1 "$log")
 echo "$first"
 [[ $first == "job "*": 2 nodes x 2 procs, head ci-node1:"* ]] || { echo "$CI_NAME: no two-node job line"; exit 1; }
-grep -m 1 '"world_size": 4' "$log" || { echo "$CI_NAME: no summary with world_size 4"; exit 1; }
+grep -m 1 'on 4 rank(s)' "$log" || { echo "$CI_NAME: no summary of 4 ranks"; exit 1; }
 for node in "${NODES[@]}"; do
     grep "^stage $node: ranks " "$log" || { echo "$CI_NAME: $node staged nothing"; exit 1; }
     grep "^node $node: torchrun exited 0" "$log" || { echo "$CI_NAME: no ranks ended on $node"; exit 1; }
