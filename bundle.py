@@ -21,7 +21,7 @@ import sys
 
 # each after the modules it imports
 PASTED = ["checkpoint", "clock", "rollback", "plan", "windows", "shards", "synthetic", "prefetch", "data", "muon"]
-PASTED += ["launch", "streams"]
+PASTED += ["launch", "streams", "report"]
 SHIPPED = "model"  # next to train.py, so its imports stay
 REQUIREMENTS = ["torch", "numpy", "tqdm"]
 VERSIONS = {"torch": ">=2.6"}  # launch.TORCH_FLOOR: the oldest torch the run path works on

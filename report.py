@@ -1,0 +1,134 @@
+"""What a run reports: metrics rows (rank 0's JSON-lines file), the progress bar, the clock's notes, failed background
+saves, the final summary row and the two lines a person reads at the end."""
+
+import dataclasses
+import json
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from plan import peak_flops
+from streams import lost_log_streams
+
+
+def summary_row(run, clock, state, val_loss, val_batches):
+    """The final metrics row: what happened, beside the plan; clock start and bad windows agreed over ranks."""
+    first_clock = torch.tensor([state.clock_start_unix], device=run.device, dtype=torch.float64)
+    bad_windows = torch.tensor([run.loader.bad_windows], device=run.device)
+    eager_runs = torch.tensor([run.eager_runs.count], device=run.device)
+    if run.world > 1:
+        dist.all_reduce(first_clock, op=dist.ReduceOp.MIN)
+        dist.all_reduce(bad_windows)
+        dist.all_reduce(eager_runs, op=dist.ReduceOp.MAX)
+    return {
+        "summary": True,
+        "steps": state.step,
+        "tokens": state.tokens,
+        "train_s": round(state.train_s, 3),
+        "tokens_per_s": round(state.tokens / max(state.train_s, 1e-9)),
+        "compile_s": round(clock.compile_s, 3),
+        "compiled_graphs": compiled_graphs() if run.hp.compile else 0,
+        "planned_graphs": run.raw_model.compiled_graphs(run.plan.micro_batch * run.hp.seq_len, run.device.type)
+        if run.hp.compile
+        else 0,
+        "compile_fallback": state.compile_fallback,
+        "eager_runs": eager_runs.item(),  # calls of compiled regions run eagerly after a guard miss (slower steps)
+        "final_lr_frac": state.lr_frac,
+        "stop_reason": state.stop_reason,
+        "val_loss": val_loss,
+        "val_batches": val_batches,
+        "params": run.raw_model.num_params(),
+        "world_size": run.world,
+        "budget_s": round(clock.budget_s, 3),
+        "time_limit_min": run.hp.time_limit_min,
+        "grad_accum_steps": clock.accum,
+        "bad_windows": bad_windows.item(),
+        "lost_streams": lost_log_streams(),
+        "step0_saved_unix": run.step0_saved_unix,
+        "clock_start_unix": first_clock.item(),
+        "plan": dataclasses.asdict(run.plan),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(run.device) / 2**30, 2)
+        if run.device.type == "cuda"
+        else None,
+    }
+
+
+def compiled_graphs():
+    """Graphs torch.compile made in this process (dynamo's own count)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class Logger:
+    """Metrics rows (rank 0's file), the progress bar, the clock's notes and failed background saves."""
+
+    def __init__(self, run, clock):
+        self.run, self.clock = run, clock
+        self.peak = (run.hp.peak_tflops * 1e12 if run.hp.peak_tflops else peak_flops(run.device)) * run.world
+        self.bar = tqdm(
+            total=round(clock.budget_s), unit="s", disable=run.rank != 0, dynamic_ncols=True, mininterval=1.0
+        )
+        self.prev_tokens = 0
+
+    def emit(self, row):
+        if self.run.metrics is None:
+            return
+        try:
+            self.run.metrics.write(json.dumps(row) + "\n")
+            self.run.metrics.flush()
+        except OSError as e:  # a full disk must not end training: the checkpoint matters, the log does not
+            self.run.say(f"warning: cannot write {self.run.hp.metrics_path} ({e.strerror}); metrics rows stop here")
+            self.run.metrics = None
+
+    def row(self, step, tokens, elapsed, lr_frac, train_loss):
+        """The training row of a sync."""
+        tok_s = (tokens - self.prev_tokens) / max(elapsed - self.clock.prev_elapsed, 1e-9)
+        self.prev_tokens = tokens
+        row = {
+            "step": step,
+            "elapsed_s": round(elapsed, 3),
+            "lr_frac": lr_frac,
+            "train_loss": train_loss,
+            "tokens": tokens,
+            "tokens_per_step": self.run.world * self.run.plan.micro_batch * self.run.hp.seq_len * self.clock.step_accum,
+            "tokens_per_s": round(tok_s),
+        }
+        if self.peak:
+            row["mfu"] = round(tok_s * self.run.plan.flops_per_token / self.peak, 4)
+        self.emit(row)
+        self.bar.set_postfix(
+            step=step, loss=f"{train_loss:.3f}", lr=f"{lr_frac:.2f}", tok_s=f"{tok_s:.3g}", refresh=False
+        )
+        self.bar.update(min(round(elapsed), self.bar.total) - self.bar.n)
+
+    def notes(self):
+        for note in self.clock.notes:
+            self.run.say(note)
+        self.clock.notes.clear()
+
+    def meta(self, step, tokens):
+        return {"config": self.run.config, "step": step, "tokens": tokens}
+
+    def failed_save(self, wait=True):
+        """A background save that failed is said once; training goes on and the previous checkpoint stays."""
+        error = self.run.checkpointer.wait() if wait else self.run.checkpointer.poll()
+        if error:
+            self.run.say(f"warning: a background checkpoint save failed ({error}); training goes on")
+
+    def close(self, train_s):
+        """The bar ends where training ended (all of it, on the clock), then closes; the metrics file too."""
+        self.bar.update(min(round(train_s), self.bar.total) - self.bar.n)
+        self.bar.close()
+        if self.run.metrics is not None:
+            self.run.metrics.close()
+
+
+def human_summary(summary, hp):
+    """The end of a run in two lines; the full summary row is the last line of the metrics file."""
+    floor = " (the floor)" if summary["final_lr_frac"] <= hp.min_lr_frac else ""
+    return (
+        f"done: {summary['steps']:,} steps on {summary['world_size']} rank(s), {summary['tokens'] / 1e6:,.4g}M tokens "
+        f"in {summary['train_s']:.1f} s ({summary['stop_reason']}), LR fraction {summary['final_lr_frac']:.3g} at "
+        f"the end{floor}; val loss {summary['val_loss']:.4f} on {summary['val_batches']} batches\n"
+        f"checkpoint: {hp.checkpoint_path}; metrics, with the full summary row: {hp.metrics_path}"
+    )
