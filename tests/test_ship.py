@@ -259,6 +259,31 @@ def test_bundle_refuses_imports_it_cannot_paste(tmp_path, train, words):
         bundle.bundle_files(project, pasted=["a"])
 
 
+def test_each_name_is_imported_from_its_owner_and_no_module_imports_itself_back():
+    """Issue 35: no re-export shims (`from data import Deal`, Deal being shards.py's) and no import circle among the
+    repo's modules (a CLI imports its library, never the reverse), imports inside functions included."""
+    trees = {path.stem: ast.parse(path.read_text()) for path in REPO.glob("*.py")}
+    defined = {name: {n for node in tree.body for n in bundle.bound_names(node)} for name, tree in trees.items()}
+    sources = [*REPO.glob("*.py"), *REPO.glob("tests/*.py"), *REPO.glob("bench/*.py")]
+    borrowed = [
+        f"{path.name}:{node.lineno} from {node.module} import {alias.name}"
+        for path in sources
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module in trees
+        for alias in node.names
+        if alias.name not in defined[node.module]
+    ]
+    assert not borrowed, borrowed
+    needs = {name: imported_roots(ast.unparse(tree)) & set(trees) - {name} for name, tree in trees.items()}
+    for start in needs:  # every module reachable from start; start among them is a circle
+        reached, todo = set(), list(needs[start])
+        while todo:
+            if (name := todo.pop()) not in reached:
+                reached.add(name)
+                todo += needs[name]
+        assert start not in reached, f"{start}.py imports itself back through {sorted(reached)}"
+
+
 # ----------------------------------------------------------------------------- eval.py
 
 
