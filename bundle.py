@@ -81,6 +81,25 @@ def source_of(node, lines):
     return "\n".join(lines[start : node.end_lineno])
 
 
+def purposes(trees):
+    """{module: the one line saying what its section is for}: SECTIONS', else its docstring's first line."""
+    purpose = {
+        name: SECTIONS.get(name) or (ast.get_docstring(tree) or "").partition("\n")[0] for name, tree in trees.items()
+    }
+    purpose["train"] = "the flags, the schedule and the training loop (last: it calls everything above)"
+    return purpose
+
+
+def contents(purpose):
+    """The bundle's table of contents: each section in order, with what it is for."""
+    width = max(map(len, purpose)) + 5
+    lines = [f"#   {name + '.py':<{width}}{line}".rstrip() for name, line in purpose.items()]
+    return (
+        "# The sections below, pasted by bundle.py from the repo's modules (of each, only what a run can reach):\n"
+        + "\n".join(lines)
+    )
+
+
 def bundle_files(src_dir, pasted=PASTED):
     """{file name: text} of the submission built from the sources in src_dir."""
     src_dir = pathlib.Path(src_dir)
@@ -121,16 +140,8 @@ def bundle_files(src_dir, pasted=PASTED):
     if missing := sorted(roots - sys.stdlib_module_names - set(REQUIREMENTS) - {SHIPPED}):
         raise BundleError(f"{', '.join(missing)} would be needed at run time but is not in REQUIREMENTS.")
     header = ast.get_docstring(trees["train"], clean=False)
-    purpose = {name: SECTIONS.get(name) or (ast.get_docstring(trees[name]) or "").partition("\n")[0] for name in files}
-    purpose["train"] = "the flags, the schedule and the training loop (last: it calls everything above)"
-    width = max(map(len, files)) + 5
-    contents = [f"#   {name + '.py':<{width}}{purpose[name]}".rstrip() for name in files]
-    parts = [
-        f'"""{header}"""',
-        "\n".join(dict.fromkeys(ast.unparse(n) for n in imports)),
-        "# The sections below, pasted by bundle.py from the repo's modules (of each, only what a run can reach):\n"
-        + "\n".join(contents),
-    ]
+    purpose = purposes(trees)
+    parts = [f'"""{header}"""', "\n".join(dict.fromkeys(ast.unparse(n) for n in imports)), contents(purpose)]
     for name in pasted:
         lines = files[name].read_text().splitlines()
         doc = ast.get_docstring(trees[name]) or ""
