@@ -7,10 +7,11 @@ OUT_DIR is a separate folder, new or not: the repo folder, a link to it, a file 
 anything is written, as is any folder whose files would overwrite a source bundle.py reads.
 
 model.py is copied byte for byte (the organizers import it alone). The modules of PASTED go into train.py above
-its own code, each after the ones it imports: its docstring as a comment block (muon.py's distributed contract is
-what a reader of the submission needs), its imports merged into one block at the top, and of its code only what a
-training run can reach: the top-level definitions that train.py's code names, directly or through other kept
-code. So data_cli.py and synthetic.py's writer stay behind. A top-level name bound in two files is an error.
+its own code, each after the ones it imports and under one line saying what it is for (SECTIONS): its docstring as a
+comment block (muon.py's distributed contract is what a reader of the submission needs), its imports merged into one
+block at the top, and of its code only what a training run can reach: the top-level definitions that train.py's code
+names, directly or through other kept code. So data_cli.py and synthetic.py's writer stay behind. A top-level name
+bound in two files is an error. A table of contents after the imports lists the sections, train.py's own last.
 tests/test_ship.py checks that the bundle trains step for step like the repo.
 """
 
@@ -19,12 +20,30 @@ import ast
 import pathlib
 import sys
 
-# each after the modules it imports
-PASTED = ["checkpoint", "clock", "rollback", "plan", "windows", "shards", "synthetic", "prefetch", "data", "muon"]
-PASTED += ["launch", "streams", "report"]
+# The pasted modules, each after the modules it imports (their definitions run at import), with what each is for: the
+# one line that opens its section of the bundled train.py. train.py's own code (the flags, the schedule, the loop)
+# comes last, as it calls everything above it; the bundle's table of contents says so first.
+SECTIONS = {
+    "checkpoint": "checkpoint files: complete and finite on disk, saved without holding up training",
+    "clock": "the loop's clock: when to sync, each step's progress and accumulation, when to stop",
+    "rollback": "a loss that blows up: snapshots, the divergence test, the restore with lower LRs",
+    "plan": "the run plan before the clock: shape, tokens per step, micro-batch, forecast steps",
+    "windows": "the token-file format and the training windows read from it",
+    "shards": "which blocks of the data each rank reads, epoch by epoch",
+    "synthetic": "the built-in synthetic data (a Markov chain whose best loss is known)",
+    "prefetch": "batches kept ready by a background thread, pinned and copied to the device",
+    "data": "the data front: token files checked and loaded, BatchLoader, validation batches",
+    "paths": "the files a run reads and writes, checked before anything is written",
+    "muon": "the optimizers: Muon for hidden matrices, AdamW for the rest, sharded across ranks",
+    "ranks": "the torch floor, process group and devices, ranks leaving together, warm collectives",
+    "launch": "everything before the clock, in order; returns the Run the loop reads",
+    "streams": "stdout and stderr that may go away (a dead tee, a hang-up) without ending the run",
+    "report": "what a run reports: metrics rows, the progress bar, the summary row, the human summary",
+}
+PASTED = list(SECTIONS)
 SHIPPED = "model"  # next to train.py, so its imports stay
 REQUIREMENTS = ["torch", "numpy", "tqdm"]
-VERSIONS = {"torch": ">=2.6"}  # launch.TORCH_FLOOR: the oldest torch the run path works on
+VERSIONS = {"torch": ">=2.6"}  # ranks.TORCH_FLOOR: the oldest torch the run path works on
 
 
 class BundleError(ValueError):
@@ -61,6 +80,25 @@ def source_of(node, lines):
     while start > 0 and lines[start - 1].lstrip().startswith("#"):
         start -= 1
     return "\n".join(lines[start : node.end_lineno])
+
+
+def purposes(trees):
+    """{module: the one line saying what its section is for}: SECTIONS', else its docstring's first line."""
+    purpose = {
+        name: SECTIONS.get(name) or (ast.get_docstring(tree) or "").partition("\n")[0] for name, tree in trees.items()
+    }
+    purpose["train"] = "the flags, the schedule and the training loop (last: it calls everything above)"
+    return purpose
+
+
+def contents(purpose):
+    """The bundle's table of contents: each section in order, with what it is for."""
+    width = max(map(len, purpose)) + 5
+    lines = [f"#   {name + '.py':<{width}}{line}".rstrip() for name, line in purpose.items()]
+    return (
+        "# The sections below, pasted by bundle.py from the repo's modules (of each, only what a run can reach):\n"
+        + "\n".join(lines)
+    )
 
 
 def bundle_files(src_dir, pasted=PASTED):
@@ -103,17 +141,16 @@ def bundle_files(src_dir, pasted=PASTED):
     if missing := sorted(roots - sys.stdlib_module_names - set(REQUIREMENTS) - {SHIPPED}):
         raise BundleError(f"{', '.join(missing)} would be needed at run time but is not in REQUIREMENTS.")
     header = ast.get_docstring(trees["train"], clean=False)
-    parts = [f'"""{header}"""', "\n".join(dict.fromkeys(ast.unparse(n) for n in imports))]
+    purpose = purposes(trees)
+    parts = [f'"""{header}"""', "\n".join(dict.fromkeys(ast.unparse(n) for n in imports)), contents(purpose)]
     for name in pasted:
         lines = files[name].read_text().splitlines()
         doc = ast.get_docstring(trees[name]) or ""
         kept = [source_of(node, lines) for node in code.get(name, []) if id(node) in keep]
         comment = "\n".join(f"# {line}".rstrip() for line in doc.splitlines())
-        parts.append(
-            f"# ---- {name}.py, pasted by bundle.py (what a run can reach)\n{comment}\n\n" + "\n\n\n".join(kept)
-        )
+        parts.append(f"# ---- {name}.py: {purpose[name]}\n{comment}\n\n" + "\n\n\n".join(kept))
     lines = files["train"].read_text().splitlines()
-    parts.append("# ---- train.py\n" + "\n".join(lines[code["train"][0].lineno - 1 :]))
+    parts.append(f"# ---- train.py: {purpose['train']}\n" + "\n".join(lines[code["train"][0].lineno - 1 :]))
     return {
         "model.py": (src_dir / "model.py").read_text(),
         "train.py": "\n\n\n".join(parts) + "\n",

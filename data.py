@@ -5,7 +5,7 @@ load_token_data memmaps the files and holds out a validation range (or builds th
 BatchLoader serves one rank's batches from three parts: shards.py deals the blocks a rank reads (from a folder
 stage.py wrote, only the blocks staged for it), windows.py reads and checks their windows, prefetch.py keeps batches
 ready in a background thread; val_batches cuts the fixed validation batches.
-CLI (data_cli.py): python data.py check DIR [--full] | synth OUT_DIR --tokens N | bench DIR
+CLI (data_cli.py, which imports this): python data_cli.py check DIR [--full] | synth OUT_DIR --tokens N | bench DIR
 """
 
 import dataclasses
@@ -16,11 +16,11 @@ import resource
 import numpy as np
 import torch
 
-# the loader's parts; a few names are imported from here by callers (noqa: F401 marks those lines)
+# the loader's parts: callers import their names from them, not from here
 from prefetch import Prefetcher
-from shards import BLOCK_WINDOWS, STAGED_MANIFEST, Deal, Shards, staged_blocks  # noqa: F401
-from synthetic import SYNTH_STATES, synthetic_entropy_nats, synthetic_tokens, write_synthetic  # noqa: F401
-from windows import BOS_ID, MAX_OPEN_FILES, TOKEN_DTYPE, DataChanged, WindowReader, WindowSpec, is_file_map  # noqa: F401
+from shards import Shards
+from synthetic import SYNTH_STATES, synthetic_entropy_nats, synthetic_tokens
+from windows import BOS_ID, MAX_OPEN_FILES, TOKEN_DTYPE, WindowReader, is_file_map
 
 BOS_RATE_RANGE = (1e-5, 0.05)  # id 1 once per 20..100k tokens looks like document starts, not a common token
 SYNTH_TRAIN_TOKENS = 1 << 23  # embedded default data: ~8M training tokens, generated in well under a second
@@ -49,7 +49,7 @@ def open_file_room(n_files):
     """Make room for a run's open files: each training file is memory-mapped (one descriptor each, for the run), the
     reader holds up to MAX_OPEN_FILES more, and torch, the loader and the process group need some (FD_RESERVE). A
     soft limit (`ulimit -n`, often 1024) below that is raised up to the hard limit: returns the note to log, or None
-    when there was room. A hard limit below it is a ValueError, here and in `python data.py check` alike."""
+    when there was room. A hard limit below it is a ValueError, here and in `python data_cli.py check` alike."""
     need = n_files + MAX_OPEN_FILES + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
@@ -275,7 +275,5 @@ def val_batches(val, seq_len, batch_size, rank, world_size, max_tokens=None):
     return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows.split(batch_size)]
 
 
-if __name__ == "__main__":  # the CLI lives in data_cli.py; `python data.py ...` stays its documented entry
-    from data_cli import main
-
-    main()
+if __name__ == "__main__":  # the CLI imports this library, never the reverse: say where it is
+    raise SystemExit("the data CLI is data_cli.py: python data_cli.py check|synth|bench ... (--help for more)")

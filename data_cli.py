@@ -1,4 +1,4 @@
-"""The data CLI, run as `python data.py ...` (its documented entry) or `python data_cli.py ...`:
+"""The data CLI, `python data_cli.py ...` (it imports data.py, never the reverse):
 check DIR [--full] validates a folder of chunk_*.bin files and summarises it; synth OUT_DIR --tokens N writes the
 synthetic Markov data in the event format; bench DIR measures the loader's tokens/s and its cost to a concurrent
 compute loop.
@@ -106,7 +106,7 @@ def count(low=1, high=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="data.py", description="Check, synthesise or benchmark token data.")
+    parser = argparse.ArgumentParser(prog="data_cli.py", description="Check, synthesise or benchmark token data.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a folder of chunk_*.bin files and summarise it")
     check.add_argument("data_dir")

@@ -1,35 +1,27 @@
-"""Before the clock: input checks agreed across ranks, the run plan, the model on its devices, the step-0
-checkpoint, the SLURM-aware budget and one of each collective. train.py calls launch() once; the loop then reads
-the Run it returns and nothing else.
+"""Before the clock, in order: the process group (ranks.py), input checks agreed across ranks (paths.py for the files
+written), the run plan, the model on its devices, the step-0 checkpoint, the SLURM-aware budget and one of each
+collective. train.py calls launch() once; the loop then reads the Run it returns and nothing else.
 
-Ranks agree before anything is written: a check that can differ per rank (a node's staged data, a path, a file
-only one rank cannot read) is followed by leave_together, so one rank's error stops every rank at once, said once
-with the rank's number, instead of hanging a collective.
+Ranks agree before anything is written: every check that can differ per rank is followed by ranks.leave_together.
 """
 
-import ctypes
 import dataclasses
-import datetime
-import errno
-import fcntl
 import math
 import os
-import re
-import stat
 import subprocess
-import sys
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
-import torch._functorch.config
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import get_model, model_config
-from data import SYNTH_STATES, BatchLoader, Deal, WindowSpec, find_token_files, load_token_data, val_batches
-from muon import all_gather_flat, build_optimizers, flat_gather
+from data import BatchLoader, load_token_data, val_batches
+from shards import Deal
+from synthetic import SYNTH_STATES
+from windows import WindowSpec
+from muon import build_optimizers
 from plan import (
     AUTO_EFFICIENCY,
     RAMP_MIN_STEPS,
@@ -39,7 +31,20 @@ from plan import (
     device_memory,
     make_plan,
 )
-from checkpoint import Checkpointer, check_writable
+from checkpoint import Checkpointer
+from paths import check_outputs, lock_metrics, training_twin
+from ranks import (
+    bf16_grad_hook,
+    fail,
+    init_device,
+    launcher_env,
+    leave_together,
+    lower_backward_in_forward,
+    sentence,
+    torch_problem,
+    versions,
+    warm_collectives,
+)
 
 
 @dataclass
@@ -126,33 +131,67 @@ def launch(hp, model_switches, stop_signal, say):
     )
 
 
-def init_device(hp, rank, local_rank, world):
-    """This rank's device (its GPU, or the CPU), and the process group across ranks: a rank that never comes (a launch
-    environment declaring ranks nobody started) is one sentence after --collective_timeout_min, not a traceback."""
-    cuda = hp.device == "cuda"
-    device = torch.device("cpu")
-    if cuda:
+def resolve(hp, world):
+    """The flags with every "auto" made concrete, once, for the run and for --dry_run: what each means on this machine
+    (a dry run with --peak_tflops plans a CUDA device that is not here), or None where the plan decides."""
+    cuda = hp.device == "cuda" or (hp.device != "cpu" and torch.cuda.is_available())
+    kind = "cuda" if cuda or (hp.dry_run and isinstance(hp.peak_tflops, float) and hp.device != "cpu") else "cpu"
+    home_data = "/home/data" if os.path.isdir("/home/data") else None
+    data_dir = {"auto": home_data}.get(hp.data_dir, hp.data_dir)
+    meaning = {
+        "data_dir": home_data,
+        "vocab_size": 32000 if data_dir or hp.dry_run else SYNTH_STATES,
+        "metrics_path": os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl"),
+        "val_file": None,
+        "val_eval_tokens": hp.val_tokens if kind == "cuda" else 65536,
+        "device": kind,
+        "compile": kind == "cuda",
+        "autocast": "bf16" if kind == "cuda" else "none",
+        "tokens_per_param": TOKENS_PER_PARAM[kind],
+        "auto_efficiency": AUTO_EFFICIENCY[kind],
+        "world_size": world,
+        "model": "auto",  # a plan.make_plan choice: the ladder picks
+    }  # the rest (shape, micro-batch, tokens per step, accumulation, peak rate, memory): None, the plan decides
+    given = dataclasses.asdict(hp)
+    return dataclasses.replace(hp, **{k: meaning.get(k) if v == "auto" else v for k, v in given.items()})
+
+
+def slurm_end_time(say=print):
+    """The SLURM job's end (unix seconds), or None outside SLURM or when it cannot be read (said)."""
+    if "SLURM_JOB_END_TIME" in os.environ:
         try:
-            local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
-            torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-            device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count(), local_world, torchrun))
-        except ValueError as e:
-            fail(f"error: {e}")
-        torch.cuda.set_device(device)
-    else:
-        keep_freed_memory()
+            end = float(os.environ["SLURM_JOB_END_TIME"])
+        except ValueError:
+            end = math.nan
+        if not math.isfinite(end):
+            say(f"warning: SLURM_JOB_END_TIME={os.environ['SLURM_JOB_END_TIME']!r} is not a time; no SLURM deadline")
+            return None
+        return end
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%e"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def training_deadline(hp, rank, device, world, say):
+    """The unix time training ends by: --slurm_reserve_s before the SLURM job's end (inf outside SLURM), read once by
+    rank 0 and broadcast, so that every rank derives its budget from one absolute time."""
+    end = slurm_end_time(say) if rank == 0 else None
+    deadline = math.inf if end is None else end - hp.slurm_reserve_s
+    agreed = torch.tensor([deadline], dtype=torch.float64, device=device)
     if world > 1:
-        timeout = datetime.timedelta(minutes=hp.collective_timeout_min)
-        try:
-            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
-        except RuntimeError as e:  # DistStoreError, DistNetworkError: a timeout, or a refused or dropped connection
-            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            fail(
-                f"error: rank {rank}: the {world} ranks of WORLD_SIZE did not all join at {where} within "
-                f"--collective_timeout_min {hp.collective_timeout_min:g} ({str(e).splitlines()[0][:160]}); start "
-                f"every rank (torchrun starts them all) or fix WORLD_SIZE"
-            )
-    return device
+        dist.broadcast(agreed, src=0)
+    return agreed.item()
+
+
+def budget_until(deadline, hp):
+    """Seconds of training from now: --time_limit_min, or less when the deadline comes first (at least one)."""
+    return max(min(hp.time_limit_min * 60.0, deadline - time.time()), 1.0)
 
 
 def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
@@ -183,6 +222,112 @@ def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
         error = sentence(e)
     leave_together(error, device, world, rank)
     return hp, data, val, plan, loader, metrics
+
+
+def check_inputs(hp, rank, world):
+    """Data, validation windows and paths: checked, nothing written."""
+    data = load_token_data(hp.data_dir, hp.vocab_size, hp.seq_len, hp.val_tokens, hp.val_file)
+    val = val_batches(data.val, hp.seq_len, hp.batch_size, rank, world, max_tokens=hp.val_eval_tokens)
+    return data, val
+
+
+def build_plan(hp, model_switches, device, world, budget_s, say):
+    """The run plan for budget_s seconds from this machine's measured speed, or from --peak_tflops/--world_size for a
+    dry run. A plan that does not fit in memory is refused, one that fits too few steps for a schedule is said."""
+    kind = device.type
+    world = hp.world_size if hp.dry_run else world
+    stated = hp.dry_run and hp.peak_tflops is not None
+    rate = hp.peak_tflops * 1e12 if stated else agreed_matmul_rate(device, world if dist.is_initialized() else 1)
+    if stated and hp.device_memory_gib is None:
+        raise ValueError("--dry_run with --peak_tflops plans a device that is not here: give --device_memory_gib too")
+    memory = hp.device_memory_gib * 2**30 if hp.device_memory_gib else device_memory(device)
+    shape = {k: getattr(hp, k) for k in ("n_layer", "n_head", "n_embd") if getattr(hp, k) is not None}
+    if shape and hp.shape_flags == "ignore":
+        say(f"ignoring shape flags {shape} (--shape_flags ignore): --model {hp.model} decides")
+        shape = {}
+    if shape:
+        given = model_config(shape)  # model.py's defaults fill the shape flags not given, without building a model
+        shape = {"n_layer": given.n_layer, "n_head": given.n_head, "n_embd": given.n_embd, **model_switches}
+    plan, table = make_plan(
+        model=hp.model,
+        shape=shape,
+        tokens_per_param=hp.tokens_per_param,
+        kind=kind,
+        world_size=world,
+        budget_s=budget_s,
+        max_steps=hp.max_steps,
+        seq_len=hp.seq_len,
+        vocab_size=hp.vocab_size,
+        batch_size=hp.batch_size,
+        micro_batch=hp.micro_batch,
+        batch_tokens=hp.batch_tokens,
+        ramp_frac=hp.ramp_frac,
+        matmul_rate=rate,
+        efficiency=hp.auto_efficiency,
+        memory_bytes=memory,
+        bf16=hp.autocast == "bf16",
+    )
+    if table:
+        say_ladder(plan, table, hp, rate, world, say)
+    check_plan(plan, hp, memory, budget_s, say)
+    return plan
+
+
+def say_ladder(plan, table, hp, rate, world, say):
+    """What --model auto weighed: every ladder shape, the one picked marked."""
+    say(
+        f"model auto: {rate / 1e12:.3g} TFLOP/s x efficiency {plan.efficiency} x {world} ranks x "
+        f"{hp.time_limit_min:g} min; want >= {hp.tokens_per_param:g} tokens per block param"
+    )
+    for row in table:
+        say(
+            f"  {'->' if row.model == plan.model else '  '} {row.model:>9}: {row.block_params / 1e6:8.2f}M block "
+            f"params, {row.tokens / 1e9:9.4g}B tokens, {row.tokens_per_param:10.3g} tokens/param"
+            f"{'' if row.fits else ', does not fit in memory'}"
+        )
+
+
+MIN_SCHEDULE_STEPS = 3  # a stable step, a decaying one and the floor-LR one
+
+
+def check_plan(plan, hp, memory, budget_s, say):
+    """A plan that does not fit in memory, or fits no step in the budget, is refused (said, for a dry run); one that
+    fits too few steps for a schedule is said."""
+    if not plan.fits:
+        message = (
+            f"the plan needs {plan.memory_gib:.3g} GiB per device, more than the {memory / 2**30:.3g} GiB there is; "
+            f"lower --micro_batch, --batch_size or --seq_len, or pick a smaller model"
+        )
+        if not hp.dry_run:
+            raise ValueError(message)
+        say(f"warning: {message}")
+    if plan.steps == 0:
+        lower = "--batch_tokens" if hp.batch_tokens is not None else "--batch_size or --micro_batch"
+        message = (
+            f"one step of {plan.tokens_per_step:,} tokens is forecast at {plan.step_s:.3g} s, longer than the whole "
+            f"{budget_s:.3g} s budget; lower {lower}, or raise --time_limit_min"
+        )
+        if not hp.dry_run:
+            raise ValueError(message)
+        say(f"warning: {message}")
+    elif plan.steps < MIN_SCHEDULE_STEPS:
+        say(
+            f"warning: the plan fits {plan.steps} step(s) of {plan.step_s:.3g} s in the {budget_s:.3g} s budget "
+            f"(--max_steps {hp.max_steps}): too few to warm up, hold and decay; the last step runs at the floor LR"
+        )
+    if hp.micro_batch is not None and plan.tokens_per_step > plan.asked_tokens_per_step:
+        say(
+            f"--micro_batch {hp.micro_batch}: {plan.tokens_per_step:,} tokens per step, not "
+            f"{plan.asked_tokens_per_step:,}: a step is whole micro-batches of {plan.world_size} x {plan.micro_batch} "
+            f"x {plan.seq_len} tokens"
+        )
+    if hp.ramp_frac and hp.batch_tokens is None and not plan.ramp_frac:
+        say(
+            f"--ramp_frac {hp.ramp_frac:g} is off: --max_steps {hp.max_steps} leaves too few steps to ramp the batch "
+            f"over (a ramp needs {RAMP_MIN_STEPS} planned); the plan's batch throughout"
+        )
+    if hp.grad_accum_steps not in (None, plan.grad_accum_steps):
+        say(f"--grad_accum_steps {hp.grad_accum_steps} is derived by the plan: {plan.grad_accum_steps}")
 
 
 def build_model(hp, plan, model_switches, device, world, eager_runs):
@@ -248,351 +393,6 @@ class EagerRuns:
         return call
 
 
-# The oldest torch the run path works on (run end to end on CPU, 2 gloo ranks, compiled): torch.compiler.set_stance
-# and its stances came in 2.6. Newer APIs the run uses have a fallback here: all_gather_single (muon.flat_gather),
-# the backward lowering switch (lower_backward_in_forward); gloo's ReduceOp.AVG (2.7) is not used.
-TORCH_FLOOR = (2, 6)
-
-
-def torch_problem(version, compiler=torch.compiler, distributed=dist):
-    """None when this torch has what the run path needs, else one sentence saying what to install."""
-    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    floor = ".".join(map(str, TORCH_FLOOR))
-    missing = [name for name in ("set_stance",) if not hasattr(compiler, name)]
-    missing += [] if flat_gather(distributed) else ["all_gather_into_tensor"]
-    if release >= TORCH_FLOOR and not missing:
-        return None
-    what = f"lacks {', '.join(missing)}" if missing else f"is older than {floor}"
-    return f"torch {version} {what}: this trainer needs torch {floor} or newer; install torch>={floor}"
-
-
-def lower_backward_in_forward(config=torch._functorch.config):
-    """Backward graphs compiled in the first forward, not lazily in the first backward: a compiler that fails then
-    fails before DDP's reducer expects a backward, and train.first_compiled_step can go on eagerly. Newer than torch
-    2.6: without it the run still compiles (measured on 2.6), but a compiler that fails does so in the first backward,
-    where the eager fallback is not proven. Returns whether it was set."""
-    if not hasattr(config, "force_non_lazy_backward_lowering"):
-        return False
-    config.force_non_lazy_backward_lowering = True
-    return True
-
-
-def resolve(hp, world):
-    """The flags with every "auto" made concrete, once, for the run and for --dry_run: what each means on this machine
-    (a dry run with --peak_tflops plans a CUDA device that is not here), or None where the plan decides."""
-    cuda = hp.device == "cuda" or (hp.device != "cpu" and torch.cuda.is_available())
-    kind = "cuda" if cuda or (hp.dry_run and isinstance(hp.peak_tflops, float) and hp.device != "cpu") else "cpu"
-    home_data = "/home/data" if os.path.isdir("/home/data") else None
-    data_dir = {"auto": home_data}.get(hp.data_dir, hp.data_dir)
-    meaning = {
-        "data_dir": home_data,
-        "vocab_size": 32000 if data_dir or hp.dry_run else SYNTH_STATES,
-        "metrics_path": os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl"),
-        "val_file": None,
-        "val_eval_tokens": hp.val_tokens if kind == "cuda" else 65536,
-        "device": kind,
-        "compile": kind == "cuda",
-        "autocast": "bf16" if kind == "cuda" else "none",
-        "tokens_per_param": TOKENS_PER_PARAM[kind],
-        "auto_efficiency": AUTO_EFFICIENCY[kind],
-        "world_size": world,
-        "model": "auto",  # a plan.make_plan choice: the ladder picks
-    }  # the rest (shape, micro-batch, tokens per step, accumulation, peak rate, memory): None, the plan decides
-    given = dataclasses.asdict(hp)
-    return dataclasses.replace(hp, **{k: meaning.get(k) if v == "auto" else v for k, v in given.items()})
-
-
-def lock_metrics(path, say):
-    """Open the metrics file for this run alone: a second run on the same path is an error, not mixed rows.
-    Storage that refuses locks (ENOLCK, ENOSYS: older Lustre, some NFS) is not "in use": the run goes on unlocked."""
-    handle = open(path, "a")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            say(f"warning: {path} cannot be locked here ({e.strerror}); a second run on it would not be refused")
-            return handle
-        handle.close()
-        raise ValueError(
-            f"--metrics_path {path} is in use by another running train.py; give this run another "
-            f"--checkpoint_path or --metrics_path"
-        ) from None
-    return handle
-
-
-def cuda_index(local_rank, visible, local_world=None, torchrun=False):
-    """The GPU of this rank: LOCAL_RANK when every rank sees the node's GPUs (torchrun), 0 when a launcher gives
-    each task one visible GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per rank). Ranks that would share a GPU
-    are refused: torchrun's workers all see the same GPUs, so LOCAL_WORLD_SIZE above them is a shared one (NCCL's
-    duplicate-GPU error, later); so is a node of several ranks and several GPUs with fewer GPUs than ranks."""
-    if local_world is not None and local_world > visible and (torchrun or visible > 1):
-        raise ValueError(
-            f"{local_world} ranks on this node (LOCAL_WORLD_SIZE) but {visible} GPU(s) visible to each: ranks would "
-            f"share a GPU; launch --nproc_per_node={visible}, or give each rank its own GPU"
-        )
-    if visible == 1:
-        return 0
-    if not 0 <= local_rank < visible:
-        raise ValueError(
-            f"LOCAL_RANK {local_rank} has no GPU: {visible} are visible to this process; launch one process per "
-            f"GPU, or give each process one GPU"
-        )
-    return local_rank
-
-
-def versions(device):
-    """One line that says what ran: torch, and on CUDA the CUDA and NCCL versions, the GPU and its capability."""
-    line = f"torch {torch.__version__}"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "none"
-        line += f" | CUDA {torch.version.cuda} | NCCL {nccl} | {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
-    return line
-
-
-def check_inputs(hp, rank, world):
-    """Data, validation windows and paths: checked, nothing written."""
-    data = load_token_data(hp.data_dir, hp.vocab_size, hp.seq_len, hp.val_tokens, hp.val_file)
-    val = val_batches(data.val, hp.seq_len, hp.batch_size, rank, world, max_tokens=hp.val_eval_tokens)
-    return data, val
-
-
-def sentence(error):
-    """An exception a check can meet as one sentence: ours are sentences already, an OSError (one rank's unreadable
-    file) names its file; anything else keeps its traceback on this rank's stderr, for whoever debugs it."""
-    if isinstance(error, OSError) and error.strerror:
-        return f"{error.filename or 'a file'}: {error.strerror}" + (f" ({error.filename2})" if error.filename2 else "")
-    if not isinstance(error, (ValueError, OSError)):
-        traceback.print_exc()
-        return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]} (traceback above)"
-    return str(error)
-
-
-def leave_together(error, device, world, rank):
-    """Go on when no rank has an error (a sentence, or None); else every rank exits 2 now, together, and rank 0 says
-    the first failing rank's sentence, naming the rank. One all-reduce, and an exchange of sentences only on failure:
-    one rank's bad input (a node's staged data, an unreadable file) never leaves the others in a collective."""
-    if world == 1:
-        if error:
-            fail(f"error: {error}")
-        return
-    first = torch.tensor([rank if error else world], device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    if (first := int(first.item())) == world:
-        return
-    errors = [None] * world
-    dist.all_gather_object(errors, error)
-    others = sum(e is not None for e in errors) - 1
-    if rank == 0:
-        fail(f"error: rank {first}: {errors[first]}" + (f" (and {others} other rank(s))" if others else ""))
-    sys.exit(2)
-
-
-def build_plan(hp, model_switches, device, world, budget_s, say):
-    """The run plan for budget_s seconds from this machine's measured speed, or from --peak_tflops/--world_size for a
-    dry run. A plan that does not fit in memory is refused, one that fits too few steps for a schedule is said."""
-    kind = device.type
-    world = hp.world_size if hp.dry_run else world
-    stated = hp.dry_run and hp.peak_tflops is not None
-    rate = hp.peak_tflops * 1e12 if stated else agreed_matmul_rate(device, world if dist.is_initialized() else 1)
-    if stated and hp.device_memory_gib is None:
-        raise ValueError("--dry_run with --peak_tflops plans a device that is not here: give --device_memory_gib too")
-    memory = hp.device_memory_gib * 2**30 if hp.device_memory_gib else device_memory(device)
-    shape = {k: getattr(hp, k) for k in ("n_layer", "n_head", "n_embd") if getattr(hp, k) is not None}
-    if shape and hp.shape_flags == "ignore":
-        say(f"ignoring shape flags {shape} (--shape_flags ignore): --model {hp.model} decides")
-        shape = {}
-    if shape:
-        given = model_config(shape)  # model.py's defaults fill the shape flags not given, without building a model
-        shape = {"n_layer": given.n_layer, "n_head": given.n_head, "n_embd": given.n_embd, **model_switches}
-    plan, table = make_plan(
-        model=hp.model,
-        shape=shape,
-        tokens_per_param=hp.tokens_per_param,
-        kind=kind,
-        world_size=world,
-        budget_s=budget_s,
-        max_steps=hp.max_steps,
-        seq_len=hp.seq_len,
-        vocab_size=hp.vocab_size,
-        batch_size=hp.batch_size,
-        micro_batch=hp.micro_batch,
-        batch_tokens=hp.batch_tokens,
-        ramp_frac=hp.ramp_frac,
-        matmul_rate=rate,
-        efficiency=hp.auto_efficiency,
-        memory_bytes=memory,
-        bf16=hp.autocast == "bf16",
-    )
-    if table:
-        say_ladder(plan, table, hp, rate, world, say)
-    check_plan(plan, hp, memory, budget_s, say)
-    return plan
-
-
-def check_plan(plan, hp, memory, budget_s, say):
-    """A plan that does not fit in memory, or fits no step in the budget, is refused (said, for a dry run); one that
-    fits too few steps for a schedule is said."""
-    if not plan.fits:
-        message = (
-            f"the plan needs {plan.memory_gib:.3g} GiB per device, more than the {memory / 2**30:.3g} GiB there is; "
-            f"lower --micro_batch, --batch_size or --seq_len, or pick a smaller model"
-        )
-        if not hp.dry_run:
-            raise ValueError(message)
-        say(f"warning: {message}")
-    if plan.steps == 0:
-        lower = "--batch_tokens" if hp.batch_tokens is not None else "--batch_size or --micro_batch"
-        message = (
-            f"one step of {plan.tokens_per_step:,} tokens is forecast at {plan.step_s:.3g} s, longer than the whole "
-            f"{budget_s:.3g} s budget; lower {lower}, or raise --time_limit_min"
-        )
-        if not hp.dry_run:
-            raise ValueError(message)
-        say(f"warning: {message}")
-    elif plan.steps < MIN_SCHEDULE_STEPS:
-        say(
-            f"warning: the plan fits {plan.steps} step(s) of {plan.step_s:.3g} s in the {budget_s:.3g} s budget "
-            f"(--max_steps {hp.max_steps}): too few to warm up, hold and decay; the last step runs at the floor LR"
-        )
-    if hp.micro_batch is not None and plan.tokens_per_step > plan.asked_tokens_per_step:
-        say(
-            f"--micro_batch {hp.micro_batch}: {plan.tokens_per_step:,} tokens per step, not "
-            f"{plan.asked_tokens_per_step:,}: a step is whole micro-batches of {plan.world_size} x {plan.micro_batch} "
-            f"x {plan.seq_len} tokens"
-        )
-    if hp.ramp_frac and hp.batch_tokens is None and not plan.ramp_frac:
-        say(
-            f"--ramp_frac {hp.ramp_frac:g} is off: --max_steps {hp.max_steps} leaves too few steps to ramp the batch "
-            f"over (a ramp needs {RAMP_MIN_STEPS} planned); the plan's batch throughout"
-        )
-    if hp.grad_accum_steps not in (None, plan.grad_accum_steps):
-        say(f"--grad_accum_steps {hp.grad_accum_steps} is derived by the plan: {plan.grad_accum_steps}")
-
-
-def say_ladder(plan, table, hp, rate, world, say):
-    """What --model auto weighed: every ladder shape, the one picked marked."""
-    say(
-        f"model auto: {rate / 1e12:.3g} TFLOP/s x efficiency {plan.efficiency} x {world} ranks x "
-        f"{hp.time_limit_min:g} min; want >= {hp.tokens_per_param:g} tokens per block param"
-    )
-    for row in table:
-        say(
-            f"  {'->' if row.model == plan.model else '  '} {row.model:>9}: {row.block_params / 1e6:8.2f}M block "
-            f"params, {row.tokens / 1e9:9.4g}B tokens, {row.tokens_per_param:10.3g} tokens/param"
-            f"{'' if row.fits else ', does not fit in memory'}"
-        )
-
-
-def training_twin(val_file, data_dir, head_bytes=1 << 20):
-    """The training file that val_file is (the same file, or a copy: the same size and first MiB), else None."""
-
-    def head(path):
-        with open(path, "rb") as file:
-            return file.read(head_bytes)
-
-    for path in find_token_files(data_dir):
-        same_size = os.path.getsize(path) == os.path.getsize(val_file)
-        if os.path.realpath(path) == os.path.realpath(val_file) or (same_size and head(path) == head(val_file)):
-            return path
-    return None
-
-
-MIN_SCHEDULE_STEPS = 3  # a stable step, a decaying one and the floor-LR one
-
-
-def launcher_env(env):
-    """(rank, world size, local rank) from torchrun's variables, checked: without a launcher they are 0, 1, 0."""
-    try:
-        rank, world, local_rank = (int(env.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-    except ValueError:
-        raise ValueError("RANK, WORLD_SIZE and LOCAL_RANK must be integers; launch with torchrun") from None
-    if world < 1 or not 0 <= rank < world or local_rank < 0:
-        raise ValueError(f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} do not fit; launch with torchrun")
-    if world > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
-        raise ValueError(f"WORLD_SIZE={world} without MASTER_ADDR and MASTER_PORT: launch several ranks with torchrun")
-    return rank, world, local_rank
-
-
-def check_outputs(hp, say):
-    """The checkpoint and metrics paths, checked against every way an output can destroy an input or land
-    somewhere unexpected; returns hp with a symlinked output replaced by its target (written, and said so). Files
-    are compared by identity (device, inode), not by path: a hard link or a bind mount reaches an input too."""
-    folder = hp.data_dir or ""
-    names = [os.path.join(folder, n) for n in (os.listdir(folder) if os.path.isdir(folder) else [])]
-    given = [*names, *([hp.val_file] if hp.val_file else [])]
-    inputs = {**{os.path.realpath(p): p for p in given}, **{file_identity(p): p for p in given}}
-    inputs.pop(None, None)
-    resolved = {}
-    for flag in ("checkpoint_path", "metrics_path"):
-        path = getattr(hp, flag)
-        if not path.strip():
-            raise ValueError(f"--{flag} is empty; name a file")
-        real = os.path.realpath(path)
-        if (key := file_identity(path)) in inputs or (key := real) in inputs:
-            raise ValueError(f"--{flag} {path} is the input file {inputs[key]}; writing it would destroy it")
-        if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode) and not os.path.isdir(real):
-            raise ValueError(f"--{flag} {path} is a device, pipe or socket, not a file a checkpoint can replace")
-        if os.path.islink(path):
-            say(f"--{flag} {path} is a symlink: writing its target, {real}")
-        resolved[flag] = real if os.path.islink(path) else path
-        check_writable(resolved[flag], flag)
-    same = os.path.realpath(resolved["checkpoint_path"]) == os.path.realpath(resolved["metrics_path"])
-    if same or file_identity(resolved["checkpoint_path"]) == file_identity(resolved["metrics_path"]) is not None:
-        raise ValueError(
-            f"--metrics_path and --checkpoint_path are both {resolved['metrics_path']}; each needs its own file"
-        )
-    return dataclasses.replace(hp, **resolved)
-
-
-def file_identity(path):
-    """(device, inode) of the file path reaches (through symlinks), or None when there is none: every path to one
-    file (a hard link, a symlink, a bind mount) has the same."""
-    try:
-        info = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return info.st_dev, info.st_ino
-
-
-def slurm_end_time(say=print):
-    """The SLURM job's end (unix seconds), or None outside SLURM or when it cannot be read (said)."""
-    if "SLURM_JOB_END_TIME" in os.environ:
-        try:
-            end = float(os.environ["SLURM_JOB_END_TIME"])
-        except ValueError:
-            end = math.nan
-        if not math.isfinite(end):
-            say(f"warning: SLURM_JOB_END_TIME={os.environ['SLURM_JOB_END_TIME']!r} is not a time; no SLURM deadline")
-            return None
-        return end
-    if "SLURM_JOB_ID" not in os.environ:
-        return None
-    try:
-        out = subprocess.run(
-            ["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%e"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
-
-
-def training_deadline(hp, rank, device, world, say):
-    """The unix time training ends by: --slurm_reserve_s before the SLURM job's end (inf outside SLURM), read once by
-    rank 0 and broadcast, so that every rank derives its budget from one absolute time."""
-    end = slurm_end_time(say) if rank == 0 else None
-    deadline = math.inf if end is None else end - hp.slurm_reserve_s
-    agreed = torch.tensor([deadline], dtype=torch.float64, device=device)
-    if world > 1:
-        dist.broadcast(agreed, src=0)
-    return agreed.item()
-
-
-def budget_until(deadline, hp):
-    """Seconds of training from now: --time_limit_min, or less when the deadline comes first (at least one)."""
-    return max(min(hp.time_limit_min * 60.0, deadline - time.time()), 1.0)
-
-
 def agreed_budget(run):
     """The clock's budget, taken right before it starts: the work before it (checks, plan, model, step-0 save, warm
     collectives: tens of seconds at the event) comes out of the time to the deadline, never out of the reserve the
@@ -608,41 +408,3 @@ def agreed_budget(run):
             f"{run.hp.slurm_reserve_s:g} s"
         )
     return budget_s
-
-
-def bf16_grad_hook(state, bucket):
-    """DDP gradient all-reduce in bf16: half the bytes of fp32 on the wire, averaged before the cast."""
-    buffer = bucket.buffer()
-    reduced = buffer.div(dist.get_world_size()).bfloat16()
-    future = dist.all_reduce(reduced, async_op=True).get_future()
-    return future.then(lambda fut: buffer.copy_(fut.value()[0]))
-
-
-def warm_collectives(device):
-    """One of each collective training uses, so communicator set-up is not paid on the clock."""
-    for dtype in (torch.float32, torch.bfloat16):
-        dist.all_reduce(torch.ones(1, device=device, dtype=dtype))
-    world = dist.get_world_size()
-    for dtype in (torch.float32, torch.bfloat16):  # Muon's exchange
-        all_gather_flat(torch.empty(world, device=device, dtype=dtype), torch.ones(1, device=device, dtype=dtype))
-    dist.barrier()
-
-
-def keep_freed_memory():
-    """Let glibc keep freed CPU memory. A CPU step frees and re-allocates the same multi-MB tensors (the 32K-row
-    tables' gradients, the head's per-chunk logits); by default glibc maps the large ones fresh or trims them back
-    to the kernel, and a default l4w128 step took 148K page faults (5K with this). Returns whether it applied."""
-    try:
-        libc = ctypes.CDLL(None)
-        # order matters: setting the trim threshold alone also pins the mmap threshold at 128 KB
-        return libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        return False
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-def fail(message, code=2):
-    print(message, file=sys.stderr, flush=True)
-    sys.exit(code)

@@ -1,7 +1,7 @@
 """Synthetic token data: an embedded Markov source whose entropy rate (the best possible loss) is known exactly.
 
 synthetic_tokens draws ids from a sparse Markov chain (BOS_ID starts documents, the other ids avoid 0-2);
-synthetic_entropy_nats is its entropy rate; write_synthetic writes it in the event format (`python data.py synth`).
+synthetic_entropy_nats is its entropy rate; write_synthetic writes it in the event format (`python data_cli.py synth`).
 numpy + stdlib only.
 """
 

@@ -35,8 +35,9 @@ from checkpoint import CheckpointError
 from clock import Clock
 from rollback import Guard
 from plan import AUTO_EFFICIENCY, MIN_TOKENS_PER_STEP, TOKENS_PER_PARAM, shape_config
-from data import DataChanged
-from launch import agreed_budget, build_plan, fail, launch, resolve
+from windows import DataChanged
+from launch import agreed_budget, build_plan, launch, resolve
+from ranks import fail
 from streams import guard_log_streams
 from report import Logger, human_summary, summary_row
 

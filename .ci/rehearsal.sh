@@ -15,7 +15,7 @@ T0=$SECONDS
 trap 'echo "rehearsal: $([[ $? == 0 ]] && echo PASS || echo FAIL) in $((SECONDS - T0)) s (work dir $WORK)"' EXIT
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 
-python3 "$REPO/data.py" synth "$WORK/data" --tokens 3000000 --chunk_tokens 1000000 --vocab_size 32000
+python3 "$REPO/data_cli.py" synth "$WORK/data" --tokens 3000000 --chunk_tokens 1000000 --vocab_size 32000
 python3 "$REPO/bundle.py" "$WORK/submission"
 cp "$REPO/eval.py" "$WORK/submission/"       # eval.py imports model.py alone: here, the submitted one
 cd "$WORK/submission"

@@ -78,7 +78,7 @@ wait_idle "${#NODES[@]}"
 
 # --- 1. the job as users submit it
 # 32 MB of tokens, far more than the run reads: each node stages its ranks' share (stage.py), not the folder.
-"${PYTHON:-python3}" "$REPO/data.py" synth "$CI_DIR/data" --tokens 16e6 --chunk_tokens 2e6 --vocab_size 256 \
+"${PYTHON:-python3}" "$REPO/data_cli.py" synth "$CI_DIR/data" --tokens 16e6 --chunk_tokens 2e6 --vocab_size 256 \
     --n_states 254 >/dev/null
 submit DATA_DIR="$CI_DIR/data" STAGE_DATA=1 LOCAL_DATA="$CI_DIR/local" OUT_DIR="$CI_DIR/out" \
     sbatch --wait --nodes=2 --gpus-per-node=0 --time=4 --output="$CI_DIR/job-%j.out" submit_slurm.sh

@@ -58,7 +58,10 @@ part 90 "CUDA paths: per-block compiled bf16 model vs eager, fused head, Muon in
 import math, sys, torch
 from model import get_model
 from muon import build_optimizers, zeropower_via_newtonschulz
-from data import BatchLoader, Deal, WindowSpec, synthetic_tokens
+from data import BatchLoader
+from shards import Deal
+from synthetic import synthetic_tokens
+from windows import WindowSpec
 dev = torch.device(sys.argv[1])
 layers, width, longest, ns_cols = map(int, sys.argv[2:])
 amp = torch.autocast(dev.type, dtype=torch.bfloat16)
@@ -88,7 +91,7 @@ loader.close()
 print(f"{dev.type} checks passed")
 EOF
 
-part 30 "synthetic data" python data.py synth "$OUT/data" --tokens "$TOKENS" --vocab_size 32000
+part 30 "synthetic data" python data_cli.py synth "$OUT/data" --tokens "$TOKENS" --vocab_size 32000
 # the whole log goes to a file; the console and results get its last lines without the progress bar
 # shellcheck disable=SC2086
 part "$(awk "BEGIN { print int($TRAIN_MIN * 60 + 90) }")" "${TRAIN_MIN}-minute compiled train.py run: $TRAIN_SHAPE" \

@@ -4,7 +4,7 @@
 
 1. ms per training step at the bench shape (4 layers, width 128, 4 heads, seq 256, 8 sequences, vocab 32,000):
    forward + backward of the whole model and the optimizer step, as train.py runs them (Muon + AdamW for the
-   default, AdamW alone for the starter-like model, freed memory kept by launch.keep_freed_memory), for each model
+   default, AdamW alone for the starter-like model, freed memory kept by ranks.keep_freed_memory), for each model
    through both paths. One process; one path at a time, as a real run takes one, the two models alternating round
    by round after WARMUP_ROUNDS. Best and median of --rounds, and the median of each round's own default / starter
    ratio (neighbours in time share the box's load). Each chunked step is also split by wall clock into phases:
@@ -29,7 +29,7 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from launch import keep_freed_memory  # noqa: E402
+from ranks import keep_freed_memory  # noqa: E402
 from model import get_model  # noqa: E402
 from muon import build_optimizers  # noqa: E402
 

@@ -31,7 +31,7 @@ def measure(flags, steps, peak_tflops, threads):
     with tempfile.TemporaryDirectory() as tmp:
         data = pathlib.Path(tmp, "data")
         subprocess.run(
-            [sys.executable, str(REPO / "data.py"), "synth", str(data), "--tokens", "2000000"],
+            [sys.executable, str(REPO / "data_cli.py"), "synth", str(data), "--tokens", "2000000"],
             check=True,
             capture_output=True,
         )

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import data
+from synthetic import write_synthetic
 import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,9 +50,9 @@ def event_plan():
 
 @pytest.fixture(scope="module")
 def token_dir(tmp_path_factory):
-    """Two event-format chunk files of the synthetic chain (ids < VOCAB): data.write_synthetic, as a user would."""
+    """Two event-format chunk files of the synthetic chain (ids < VOCAB): write_synthetic, as a user would."""
     folder = tmp_path_factory.mktemp("tokens")
-    data.write_synthetic(folder, 2 << 17, chunk_tokens=1 << 17, vocab_size=VOCAB, n_states=512)
+    write_synthetic(folder, 2 << 17, chunk_tokens=1 << 17, vocab_size=VOCAB, n_states=512)
     return folder
 
 

@@ -490,12 +490,20 @@ def test_cli_synth_check_bench(tmp_path, capsys):
     data_cli.main(["bench", str(tmp_path), "--seq_len", "63", "--batch_size", "4", "--batches", "5", "--matmul", "32"])
     out = capsys.readouterr().out
     assert "tokens/s" in out and "with loader" in out
-    # the documented entry, `python data.py ...`, dispatches to data_cli.py
+    # the documented entry, `python data_cli.py ...`; `python data.py ...` (the library) says where the CLI is
     repo = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, repo / "data.py", "check", tmp_path], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, repo / "data_cli.py", "check", tmp_path],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0 and "ok: 2 files, 200,000 tokens" in done.stdout, done.stderr[-2000:]
+    done = subprocess.run(
+        [sys.executable, repo / "data.py", "check", tmp_path], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "python data_cli.py check" in done.stderr and not done.stdout, done.stderr
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         (tmp_path / "chunk_0003.bin").write_bytes(b"\0" * 3001)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import data
+from synthetic import write_synthetic
 
 from conftest import (
     SHAPE,
@@ -343,23 +343,23 @@ def test_a_frozen_rank_ends_the_job_after_the_collective_timeout(tmp_path, token
 def test_storage_that_refuses_locks_is_not_a_path_in_use(tmp_path, monkeypatch, code):
     import errno
 
-    import launch
+    import paths
 
     def refuse(handle, operation):
         raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
 
     said = []
-    monkeypatch.setattr(launch.fcntl, "flock", refuse)
-    handle = launch.lock_metrics(str(tmp_path / "metrics.jsonl"), said.append)
+    monkeypatch.setattr(paths.fcntl, "flock", refuse)
+    handle = paths.lock_metrics(str(tmp_path / "metrics.jsonl"), said.append)
     handle.close()
     assert len(said) == 1 and "cannot be locked" in said[0]
-    monkeypatch.setattr(launch.fcntl, "flock", lambda h, op: (_ for _ in ()).throw(BlockingIOError(errno.EAGAIN, "")))
+    monkeypatch.setattr(paths.fcntl, "flock", lambda h, op: (_ for _ in ()).throw(BlockingIOError(errno.EAGAIN, "")))
     with pytest.raises(ValueError, match="in use by another running train.py"):
-        launch.lock_metrics(str(tmp_path / "metrics.jsonl"), said.append)
+        paths.lock_metrics(str(tmp_path / "metrics.jsonl"), said.append)
 
 
 def test_each_rank_finds_its_gpu_under_torchrun_and_under_one_gpu_per_task():
-    from launch import cuda_index
+    from ranks import cuda_index
 
     assert cuda_index(local_rank=5, visible=8) == 5  # torchrun: every rank sees the node's GPUs
     assert cuda_index(local_rank=5, visible=1) == 0  # srun --gpus-per-task=1: the one it was given
@@ -465,25 +465,25 @@ def fifo(tmp):
 def test_an_output_path_never_destroys_an_input_or_lands_somewhere_unexpected(outputs_hp, tmp_path, token_dir, case):
     import dataclasses
 
-    import launch
+    import paths
 
     make, words = case
     hp = dataclasses.replace(outputs_hp, **make(outputs_hp, tmp_path, token_dir))
     before = {p.name: p.read_bytes() for p in token_dir.iterdir()}
     with pytest.raises(ValueError, match=words):
-        launch.check_outputs(hp, print)
+        paths.check_outputs(hp, print)
     assert {p.name: p.read_bytes() for p in token_dir.iterdir()} == before
 
 
 def test_a_symlinked_checkpoint_writes_its_target_and_says_so(outputs_hp, tmp_path):
     import dataclasses
 
-    import launch
+    import paths
 
     (tmp_path / "runs").mkdir()
     (tmp_path / "latest.pt").symlink_to(tmp_path / "runs" / "ck.pt")
     said = []
-    hp = launch.check_outputs(dataclasses.replace(outputs_hp, checkpoint_path=str(tmp_path / "latest.pt")), said.append)
+    hp = paths.check_outputs(dataclasses.replace(outputs_hp, checkpoint_path=str(tmp_path / "latest.pt")), said.append)
     assert hp.checkpoint_path == str(tmp_path / "runs" / "ck.pt") and "symlink" in said[0]
 
 
@@ -548,7 +548,7 @@ def test_model_switches_out_of_range_are_one_sentence():
     ],
 )
 def test_rank_variables_without_a_launcher_are_one_sentence(env, words):
-    from launch import launcher_env
+    from ranks import launcher_env
 
     with pytest.raises(ValueError, match=words):
         launcher_env(env)
@@ -588,12 +588,12 @@ def test_a_step_that_outlasts_the_whole_budget_is_refused_before_the_clock(tmp_p
 def test_a_val_file_that_is_a_training_file_or_its_copy_is_warned_about(tmp_path, token_dir):
     import shutil
 
-    from launch import training_twin
+    from paths import training_twin
 
     shutil.copy(token_dir / "chunk_0002.bin", tmp_path / "val.bin")
     assert training_twin(token_dir / "chunk_0002.bin", token_dir).name == "chunk_0002.bin"
     assert training_twin(tmp_path / "val.bin", token_dir).name == "chunk_0002.bin"
-    data.write_synthetic(tmp_path / "other", 1 << 17, vocab_size=VOCAB, n_states=512, seed=1)
+    write_synthetic(tmp_path / "other", 1 << 17, vocab_size=VOCAB, n_states=512, seed=1)
     assert training_twin(tmp_path / "other" / "chunk_0001.bin", token_dir) is None
 
 
@@ -601,7 +601,7 @@ def test_a_val_file_that_is_a_training_file_or_its_copy_is_warned_about(tmp_path
 @pytest.mark.parametrize("damaged", ["one", "all"])
 def test_data_truncated_under_a_running_job_is_skipped_or_ends_it_with_the_weights_saved(tmp_path, damaged):
     folder = tmp_path / "tokens"
-    data.write_synthetic(folder, 3 << 17, chunk_tokens=1 << 17, vocab_size=VOCAB, n_states=512)
+    write_synthetic(folder, 3 << 17, chunk_tokens=1 << 17, vocab_size=VOCAB, n_states=512)
     files = sorted(folder.glob("chunk_*.bin"))
     args = [*on_tokens(folder), *TINY, "--time_limit_min", "10", "--val_tokens", "4096"]
     proc = subprocess.Popen(

@@ -315,21 +315,21 @@ IDENTITY_CASES = {
 def test_an_output_reaching_an_input_by_a_hard_link_is_refused(hp_on, tmp_path, case):
     import dataclasses
 
-    import launch
+    import paths
 
     hp, data = hp_on
     make, words = case
     hp = dataclasses.replace(hp, **make(tmp_path, data))
     before = {p.name: p.read_bytes() for p in data.iterdir()}
     with pytest.raises(ValueError, match=words):
-        launch.check_outputs(hp, print)
+        paths.check_outputs(hp, print)
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before
 
 
 def test_a_checkpoint_through_a_bind_mount_of_the_data_is_refused(hp_on, tmp_path):
     import dataclasses
 
-    import launch
+    import paths
 
     hp, data = hp_on
     (tmp_path / "bound").mkdir()
@@ -338,7 +338,7 @@ def test_a_checkpoint_through_a_bind_mount_of_the_data_is_refused(hp_on, tmp_pat
     try:
         for flag in ("checkpoint_path", "metrics_path"):
             with pytest.raises(ValueError, match="is the input file"):
-                launch.check_outputs(
+                paths.check_outputs(
                     dataclasses.replace(hp, **{flag: str(tmp_path / "bound" / "chunk_0001.bin")}), print
                 )
     finally:
@@ -394,7 +394,9 @@ def late_bos_data(folder, files=3, tokens=20_000):
 def test_data_in_which_no_window_can_be_formed_fails_when_the_loader_is_made(tmp_path):
     import numpy as np
 
-    from data import BatchLoader, Deal, WindowSpec, load_token_data
+    from data import BatchLoader, load_token_data
+    from shards import Deal
+    from windows import WindowSpec
 
     data = load_token_data(late_bos_data(tmp_path / "data"), 1024, 64, 1000)
     with pytest.raises(ValueError, match="too sparse for --doc_aligned"):
@@ -498,7 +500,9 @@ def open_fds():
 
 
 def test_the_reader_holds_a_bounded_number_of_files_open(tmp_path):
-    from data import BatchLoader, Deal, WindowSpec, load_token_data
+    from data import BatchLoader, load_token_data
+    from shards import Deal
+    from windows import WindowSpec
     from windows import MAX_OPEN_FILES
 
     data = load_token_data(many_files(tmp_path / "data", 150, tokens=600), 1024, 15, 0)
@@ -533,7 +537,7 @@ def test_a_folder_of_more_files_than_the_soft_limit_trains_and_check_agrees(tmp_
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert "open-file limit raised from 256 to 720 for 400 files" in run.stdout
     check = subprocess.run(
-        [sys.executable, str(ROOT / "data.py"), "check", str(data), "--vocab_size", "1024", "--seq_len", "32"],
+        [sys.executable, str(ROOT / "data_cli.py"), "check", str(data), "--vocab_size", "1024", "--seq_len", "32"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -557,7 +561,7 @@ def test_a_hard_limit_too_low_for_the_files_is_one_sentence_in_the_run_and_in_ch
         preexec_fn=limited(300, 300),
     )
     check = subprocess.run(
-        [sys.executable, str(ROOT / "data.py"), "check", str(data), "--vocab_size", "1024", "--seq_len", "32"],
+        [sys.executable, str(ROOT / "data_cli.py"), "check", str(data), "--vocab_size", "1024", "--seq_len", "32"],
         capture_output=True,
         text=True,
         timeout=120,

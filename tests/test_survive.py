@@ -67,7 +67,7 @@ def test_torchrun_as_pid_1_trains_to_the_time_limit(tmp_path):
 FAULTY_WORKER = """
 import os, sys
 sys.path.insert(0, {root!r})
-import checkpoint, data, launch, prefetch, train
+import checkpoint, launch, prefetch, train, windows
 rank, fault = int(os.environ["RANK"]), os.environ["FAULT"]
 if fault == "unreadable" and rank == 1:
     def refuse(*args, **kwargs):
@@ -78,7 +78,7 @@ if fault == "data_gone" and rank == 1:
     def next_or_gone(self):
         served[0] += 1
         if served[0] > 40:
-            raise data.DataChanged("every training file changed under the run; rank 1 has nothing left to read.")
+            raise windows.DataChanged("every training file changed under the run; rank 1 has nothing left to read.")
         return real_next(self)
     prefetch.Prefetcher.__next__ = next_or_gone
 if fault == "final_save" and rank == 0:
@@ -141,7 +141,7 @@ def test_a_failed_final_save_on_rank_0_still_ends_every_rank_at_once(tmp_path):
 
 
 def test_ranks_that_would_share_a_gpu_are_refused_and_one_gpu_per_task_is_kept():
-    from launch import cuda_index
+    from ranks import cuda_index
 
     assert cuda_index(3, visible=8, local_world=8, torchrun=True) == 3
     assert cuda_index(5, visible=1, local_world=8) == 0  # srun --gpus-per-task=1: each task its own GPU
@@ -152,14 +152,14 @@ def test_ranks_that_would_share_a_gpu_are_refused_and_one_gpu_per_task_is_kept()
 
 
 def test_eight_torchrun_ranks_on_one_visible_gpu_exit_2_before_anything(monkeypatch, capsys):
-    import launch
+    import ranks
 
-    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(launch.torch.cuda, "set_device", lambda d: pytest.fail("a device was claimed"))
+    monkeypatch.setattr(ranks.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(ranks.torch.cuda, "set_device", lambda d: pytest.fail("a device was claimed"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     with pytest.raises(SystemExit) as leaving:
-        launch.init_device(types.SimpleNamespace(device="cuda"), rank=5, local_rank=5, world=8)
+        ranks.init_device(types.SimpleNamespace(device="cuda"), rank=5, local_rank=5, world=8)
     error = capsys.readouterr().err.strip()
     assert leaving.value.code == 2 and error.count("\n") == 0 and "share a GPU" in error, error
 
@@ -194,12 +194,13 @@ def test_a_launch_environment_whose_peer_never_comes_is_one_sentence(tmp_path):
 
 def test_an_older_torch_or_one_without_the_run_path_apis_is_one_sentence(monkeypatch):
     import launch
+    import ranks
 
-    assert launch.torch_problem(torch.__version__) is None and launch.torch_problem("2.6.0+cu124") is None
-    assert "older than 2.6" in launch.torch_problem("2.5.1+cu121")
+    assert ranks.torch_problem(torch.__version__) is None and ranks.torch_problem("2.6.0+cu124") is None
+    assert "older than 2.6" in ranks.torch_problem("2.5.1+cu121")
     no_stance = types.SimpleNamespace()
-    assert "lacks set_stance" in launch.torch_problem("2.7.0", compiler=no_stance)
-    assert "lacks all_gather_into_tensor" in launch.torch_problem("2.7.0", distributed=types.SimpleNamespace())
+    assert "lacks set_stance" in ranks.torch_problem("2.7.0", compiler=no_stance)
+    assert "lacks all_gather_into_tensor" in ranks.torch_problem("2.7.0", distributed=types.SimpleNamespace())
     monkeypatch.setattr(launch.torch, "__version__", "2.4.0")  # launch() says it before anything else
     with pytest.raises(SystemExit) as leaving:
         launch.launch(None, {}, [], print)
@@ -208,22 +209,20 @@ def test_an_older_torch_or_one_without_the_run_path_apis_is_one_sentence(monkeyp
 
 def test_apis_newer_than_the_floor_have_their_fallbacks():
     import muon
-
-    import launch
+    import ranks
 
     older = types.SimpleNamespace(all_gather_into_tensor=lambda *a: "2.6's name")
     assert muon.flat_gather(older)() == "2.6's name"
-    assert launch.lower_backward_in_forward(types.SimpleNamespace()) is False  # 2.6: not there, nothing raised
+    assert ranks.lower_backward_in_forward(types.SimpleNamespace()) is False  # 2.6: not there, nothing raised
     config = types.SimpleNamespace(force_non_lazy_backward_lowering=False)
-    assert launch.lower_backward_in_forward(config) is True and config.force_non_lazy_backward_lowering
+    assert ranks.lower_backward_in_forward(config) is True and config.force_non_lazy_backward_lowering
 
 
 def test_the_floor_is_stated_in_requirements_pyproject_and_readme(tmp_path):
     import bundle
+    import ranks
 
-    import launch
-
-    floor = "torch>=" + ".".join(map(str, launch.TORCH_FLOOR))
+    floor = "torch>=" + ".".join(map(str, ranks.TORCH_FLOOR))
     assert floor in bundle.bundle_files(ROOT)["requirements.txt"].splitlines()
     assert f'"{floor}"' in (ROOT / "pyproject.toml").read_text() and floor in (ROOT / "README.md").read_text()
 

@@ -21,6 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
+from shards import BLOCK_WINDOWS, Deal  # noqa: E402
+from synthetic import synthetic_entropy_nats, synthetic_tokens  # noqa: E402
+from windows import WindowSpec  # noqa: E402
 import plan  # noqa: E402
 import train  # noqa: E402
 from eval import load_checkpoint  # noqa: E402  (the organizers' snippet, verbatim)
@@ -47,7 +50,7 @@ def test_synthetic_default_learns_down_to_near_the_entropy_floor(tmp_path):
     # step-keyed, so the result is the same however loaded the machine is. Measured: val 2.32 at 400 steps
     # (floor 1.727, ln 1024 = 6.93; 250 steps gave 2.60, 150 gave 3.06), ~8 s of training on one core.
     proc, _ = run_train([*TINY, "--val_eval_tokens", "4096", "--max_steps", "400", *LONG_BUDGET], tmp_path)
-    floor = data.synthetic_entropy_nats()
+    floor = synthetic_entropy_nats()
     data_line = next(line for line in proc.stdout.splitlines() if line.startswith("data:"))
     assert "synthetic" in data_line and f"{floor:.4f}" in data_line
     rows, val_rows, summary = read_metrics(tmp_path / "metrics.jsonl")
@@ -285,12 +288,12 @@ def ddp_setup(tmp_path_factory):
     consecutive blocks. With b = block_windows and block-aligned files, each rank's batch is one whole block:
     2 ranks take blocks (o0 | o1), (o2 | o3), ... and 1 rank with 2b takes (o0 + o1), (o2 + o3), ...: the same
     windows per step, while the two ranks' gradients differ (so a missing all-reduce would show)."""
-    b = data.BLOCK_WINDOWS
+    b = BLOCK_WINDOWS
     folder = tmp_path_factory.mktemp("ddp")
     (folder / "data").mkdir()
-    tokens = data.synthetic_tokens(64 * b * (SEQ + 1), vocab_size=VOCAB, n_states=512)
+    tokens = synthetic_tokens(64 * b * (SEQ + 1), vocab_size=VOCAB, n_states=512)
     tokens.astype("<u2").tofile(folder / "data" / "chunk_0001.bin")
-    data.synthetic_tokens(4096, vocab_size=VOCAB, n_states=512, part=1).astype("<u2").tofile(folder / "val.bin")
+    synthetic_tokens(4096, vocab_size=VOCAB, n_states=512, part=1).astype("<u2").tofile(folder / "val.bin")
     common = [
         "--data_dir",
         str(folder / "data"),
@@ -348,7 +351,7 @@ def test_torchrun_two_ranks_trains_and_loads_with_model_py_alone(two_rank_run, t
     # of this repo is made unimportable in case it is pip-installed
     shutil.copy(ROOT / "model.py", tmp_path / "model.py")
     shutil.copy(out / "checkpoint.pt", tmp_path / "checkpoint.pt")
-    windows = data.synthetic_tokens(4 * (SEQ + 1), vocab_size=VOCAB, n_states=512, part=1).reshape(4, SEQ + 1)
+    windows = synthetic_tokens(4 * (SEQ + 1), vocab_size=VOCAB, n_states=512, part=1).reshape(4, SEQ + 1)
     (tmp_path / "organizer.py").write_text(f"""
 import json, sys
 for name in ("train", "data", "muon", "plan", "launch", "checkpoint"):
@@ -379,8 +382,8 @@ def test_block_aligned_batches_give_two_ranks_the_windows_of_one_double_batch(dd
     """The premise of the DDP comparisons below, checked on data.py directly: if it breaks, this says why."""
     folder, b, _ = ddp_setup
     arrays = [np.memmap(folder / "data" / "chunk_0001.bin", dtype="<u2", mode="r")]
-    loaders = [data.BatchLoader(arrays, data.WindowSpec(SEQ), b, data.Deal(rank, 2)) for rank in (0, 1)]
-    loaders.append(data.BatchLoader(arrays, data.WindowSpec(SEQ), 2 * b, data.Deal(0, 1)))
+    loaders = [data.BatchLoader(arrays, WindowSpec(SEQ), b, Deal(rank, 2)) for rank in (0, 1)]
+    loaders.append(data.BatchLoader(arrays, WindowSpec(SEQ), 2 * b, Deal(0, 1)))
     try:
         for _ in range(6):
             (x0, _), (x1, _), (x, _) = (next(loader) for loader in loaders)
@@ -403,7 +406,7 @@ def single_rank_runs(ddp_setup):
 def checkpoint_logits(folder):
     """The checkpoint's logits on fixed windows: parameters compared through what they compute."""
     model, _ = load_checkpoint(folder / "checkpoint.pt")
-    windows = data.synthetic_tokens(32 * SEQ, vocab_size=VOCAB, n_states=512, part=2).reshape(32, SEQ)
+    windows = synthetic_tokens(32 * SEQ, vocab_size=VOCAB, n_states=512, part=2).reshape(32, SEQ)
     with torch.no_grad():
         return model(torch.from_numpy(windows.astype(np.int64)))[0]
 
@@ -689,11 +692,11 @@ def test_progress_by_steps_is_blind_to_the_clock(tmp_path, token_dir):
 
 @pytest.mark.slow
 def test_cpu_training_keeps_freed_memory_instead_of_faulting_it_back_in():
-    """launch.keep_freed_memory (called for CPU runs): a freed 16 MB tensor's pages are reused, not faulted in anew."""
+    """ranks.keep_freed_memory (called for CPU runs): a freed 16 MB tensor's pages are reused, not faulted in anew."""
     code = """
 import resource, sys, torch
 sys.path.insert(0, sys.argv[1])
-from launch import keep_freed_memory
+from ranks import keep_freed_memory
 print(keep_freed_memory())
 torch.ones(16 << 20)  # 64 MB, touched and freed: the heap now holds it
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -1,0 +1,191 @@
+"""The ranks before the clock: the torch this runs on, each rank's place and device, the process group, ranks that
+leave together, and the collectives the loop uses, warmed. launch.py calls these in order; train.py's ranks exit
+through fail.
+
+A check that can differ per rank (a node's staged data, a path, a file only one rank cannot read) is followed by
+leave_together, so one rank's error stops every rank at once, said once with the rank's number, instead of hanging a
+collective.
+"""
+
+import ctypes
+import datetime
+import os
+import re
+import sys
+import traceback
+
+import torch
+import torch._functorch.config
+import torch.distributed as dist
+
+from muon import all_gather_flat, flat_gather
+
+
+# The oldest torch the run path works on (run end to end on CPU, 2 gloo ranks, compiled): torch.compiler.set_stance
+# and its stances came in 2.6. Newer APIs the run uses have a fallback here: all_gather_single (muon.flat_gather),
+# the backward lowering switch (lower_backward_in_forward); gloo's ReduceOp.AVG (2.7) is not used.
+TORCH_FLOOR = (2, 6)
+
+
+def torch_problem(version, compiler=torch.compiler, distributed=dist):
+    """None when this torch has what the run path needs, else one sentence saying what to install."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    floor = ".".join(map(str, TORCH_FLOOR))
+    missing = [name for name in ("set_stance",) if not hasattr(compiler, name)]
+    missing += [] if flat_gather(distributed) else ["all_gather_into_tensor"]
+    if release >= TORCH_FLOOR and not missing:
+        return None
+    what = f"lacks {', '.join(missing)}" if missing else f"is older than {floor}"
+    return f"torch {version} {what}: this trainer needs torch {floor} or newer; install torch>={floor}"
+
+
+def lower_backward_in_forward(config=torch._functorch.config):
+    """Backward graphs compiled in the first forward, not lazily in the first backward: a compiler that fails then
+    fails before DDP's reducer expects a backward, and train.first_compiled_step can go on eagerly. Newer than torch
+    2.6: without it the run still compiles (measured on 2.6), but a compiler that fails does so in the first backward,
+    where the eager fallback is not proven. Returns whether it was set."""
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return False
+    config.force_non_lazy_backward_lowering = True
+    return True
+
+
+def versions(device):
+    """One line that says what ran: torch, and on CUDA the CUDA and NCCL versions, the GPU and its capability."""
+    line = f"torch {torch.__version__}"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "none"
+        line += f" | CUDA {torch.version.cuda} | NCCL {nccl} | {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    return line
+
+
+def launcher_env(env):
+    """(rank, world size, local rank) from torchrun's variables, checked: without a launcher they are 0, 1, 0."""
+    try:
+        rank, world, local_rank = (int(env.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    except ValueError:
+        raise ValueError("RANK, WORLD_SIZE and LOCAL_RANK must be integers; launch with torchrun") from None
+    if world < 1 or not 0 <= rank < world or local_rank < 0:
+        raise ValueError(f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} do not fit; launch with torchrun")
+    if world > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        raise ValueError(f"WORLD_SIZE={world} without MASTER_ADDR and MASTER_PORT: launch several ranks with torchrun")
+    return rank, world, local_rank
+
+
+def cuda_index(local_rank, visible, local_world=None, torchrun=False):
+    """The GPU of this rank: LOCAL_RANK when every rank sees the node's GPUs (torchrun), 0 when a launcher gives
+    each task one visible GPU (srun --gpus-per-task, CUDA_VISIBLE_DEVICES per rank). Ranks that would share a GPU
+    are refused: torchrun's workers all see the same GPUs, so LOCAL_WORLD_SIZE above them is a shared one (NCCL's
+    duplicate-GPU error, later); so is a node of several ranks and several GPUs with fewer GPUs than ranks."""
+    if local_world is not None and local_world > visible and (torchrun or visible > 1):
+        raise ValueError(
+            f"{local_world} ranks on this node (LOCAL_WORLD_SIZE) but {visible} GPU(s) visible to each: ranks would "
+            f"share a GPU; launch --nproc_per_node={visible}, or give each rank its own GPU"
+        )
+    if visible == 1:
+        return 0
+    if not 0 <= local_rank < visible:
+        raise ValueError(
+            f"LOCAL_RANK {local_rank} has no GPU: {visible} are visible to this process; launch one process per "
+            f"GPU, or give each process one GPU"
+        )
+    return local_rank
+
+
+def init_device(hp, rank, local_rank, world):
+    """This rank's device (its GPU, or the CPU), and the process group across ranks: a rank that never comes (a launch
+    environment declaring ranks nobody started) is one sentence after --collective_timeout_min, not a traceback."""
+    cuda = hp.device == "cuda"
+    device = torch.device("cpu")
+    if cuda:
+        try:
+            local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
+            torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+            device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count(), local_world, torchrun))
+        except ValueError as e:
+            fail(f"error: {e}")
+        torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
+    if world > 1:
+        timeout = datetime.timedelta(minutes=hp.collective_timeout_min)
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timeout)
+        except RuntimeError as e:  # DistStoreError, DistNetworkError: a timeout, or a refused or dropped connection
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            fail(
+                f"error: rank {rank}: the {world} ranks of WORLD_SIZE did not all join at {where} within "
+                f"--collective_timeout_min {hp.collective_timeout_min:g} ({str(e).splitlines()[0][:160]}); start "
+                f"every rank (torchrun starts them all) or fix WORLD_SIZE"
+            )
+    return device
+
+
+def keep_freed_memory():
+    """Let glibc keep freed CPU memory. A CPU step frees and re-allocates the same multi-MB tensors (the 32K-row
+    tables' gradients, the head's per-chunk logits); by default glibc maps the large ones fresh or trims them back
+    to the kernel, and a default l4w128 step took 148K page faults (5K with this). Returns whether it applied."""
+    try:
+        libc = ctypes.CDLL(None)
+        # order matters: setting the trim threshold alone also pins the mmap threshold at 128 KB
+        return libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        return False
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def sentence(error):
+    """An exception a check can meet as one sentence: ours are sentences already, an OSError (one rank's unreadable
+    file) names its file; anything else keeps its traceback on this rank's stderr, for whoever debugs it."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename or 'a file'}: {error.strerror}" + (f" ({error.filename2})" if error.filename2 else "")
+    if not isinstance(error, (ValueError, OSError)):
+        traceback.print_exc()
+        return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]} (traceback above)"
+    return str(error)
+
+
+def leave_together(error, device, world, rank):
+    """Go on when no rank has an error (a sentence, or None); else every rank exits 2 now, together, and rank 0 says
+    the first failing rank's sentence, naming the rank. One all-reduce, and an exchange of sentences only on failure:
+    one rank's bad input (a node's staged data, an unreadable file) never leaves the others in a collective."""
+    if world == 1:
+        if error:
+            fail(f"error: {error}")
+        return
+    first = torch.tensor([rank if error else world], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    if (first := int(first.item())) == world:
+        return
+    errors = [None] * world
+    dist.all_gather_object(errors, error)
+    others = sum(e is not None for e in errors) - 1
+    if rank == 0:
+        fail(f"error: rank {first}: {errors[first]}" + (f" (and {others} other rank(s))" if others else ""))
+    sys.exit(2)
+
+
+def fail(message, code=2):
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def bf16_grad_hook(state, bucket):
+    """DDP gradient all-reduce in bf16: half the bytes of fp32 on the wire, averaged before the cast."""
+    buffer = bucket.buffer()
+    reduced = buffer.div(dist.get_world_size()).bfloat16()
+    future = dist.all_reduce(reduced, async_op=True).get_future()
+    return future.then(lambda fut: buffer.copy_(fut.value()[0]))
+
+
+def warm_collectives(device):
+    """One of each collective training uses, so communicator set-up is not paid on the clock."""
+    for dtype in (torch.float32, torch.bfloat16):
+        dist.all_reduce(torch.ones(1, device=device, dtype=dtype))
+    world = dist.get_world_size()
+    for dtype in (torch.float32, torch.bfloat16):  # Muon's exchange
+        all_gather_flat(torch.empty(world, device=device, dtype=dtype), torch.ones(1, device=device, dtype=dtype))
+    dist.barrier()
