@@ -186,7 +186,7 @@ def test_a_frozen_process_is_logged_as_a_stall_and_the_decay_still_finishes(tmp_
 def test_the_budget_ends_before_the_slurm_wall_measured_from_the_deadline(tmp_path):
     """A pre-clock phase slowed by 8 s (as a slow step-0 save or a long model build would): training still ends
     --slurm_reserve_s before the job's end, because the budget is taken from the deadline when the clock starts."""
-    end = int(time.time()) + 45
+    end = int(time.time()) + 60
     env = {**child_env(), "SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(end)}
     args = synthetic_time_run(tmp_path, ["--val_tokens", "8192", "--slurm_reserve_s", "25"], budget_min=10)
     slowed = (
@@ -202,7 +202,7 @@ def test_the_budget_ends_before_the_slurm_wall_measured_from_the_deadline(tmp_pa
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     step_s = step_seconds(rows)
     assert summary["clock_start_unix"] + summary["train_s"] <= end - 25 + step_s + 1.0, (summary, step_s)
-    assert summary["budget_s"] < 20 - 8 + 1 and summary["final_lr_frac"] == 0.0
+    assert summary["budget_s"] < 35 - 8 + 1 and summary["final_lr_frac"] == 0.0
     assert summary["stop_reason"] == "time_limit"
 
 
@@ -397,8 +397,8 @@ def test_a_launcher_killed_by_a_signal_it_does_not_forward_leaves_no_orphan_and_
 
 @pytest.mark.slow
 def test_a_stop_inside_a_long_accumulation_is_honoured_between_micro_steps(tmp_path, token_dir):
-    # 640 micro-batches a step: a step takes ~15-25 s here, a micro-step ~30 ms
-    args = [*on_tokens(token_dir), *SHAPE, "--seq_len", "32", "--micro_batch", "8", "--batch_tokens", str(640 * 256)]
+    # 1,920 micro-batches a step: a step takes ~12 s on an idle 2-core box (more under load), a micro-step ~6 ms
+    args = [*on_tokens(token_dir), *SHAPE, "--seq_len", "32", "--micro_batch", "8", "--batch_tokens", str(1920 * 256)]
     proc = subprocess.Popen(
         command([*args, "--time_limit_min", "10", "--val_tokens", "4096"], 1),
         cwd=tmp_path,
@@ -418,7 +418,7 @@ def test_a_stop_inside_a_long_accumulation_is_honoured_between_micro_steps(tmp_p
         proc.kill()
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     step_s = step_seconds(rows) if len(rows) > 2 else rows[-1]["elapsed_s"] / rows[-1]["step"]
-    assert summary["stop_reason"] == "signal" and summary["grad_accum_steps"] == 640
+    assert summary["stop_reason"] == "signal" and summary["grad_accum_steps"] == 1920
     assert honoured < min(0.25 * step_s, 5.0), (honoured, step_s)  # not the rest of the step: a micro-step, save, exit
     _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     assert ckpt["step"] == summary["steps"]  # the interrupted step's gradients were dropped, not half-applied

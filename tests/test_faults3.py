@@ -445,6 +445,7 @@ def clock_run(plan, budget_s, max_steps, speed):
 def test_the_ramp_plan_holds_for_every_cap_the_flat_plan_holds_for(event_plan, budget_s):
     import dataclasses
 
+    import clock as C
     import plan as P
 
     for max_steps in (1, 2, 3, 5, 10, 20, 44, 45, 60, 500):
@@ -453,9 +454,9 @@ def test_the_ramp_plan_holds_for_every_cap_the_flat_plan_holds_for(event_plan, b
         for ramp_frac in (0.2, 0.5, 0.9):
             ramp = event_plan(model="l16w1024", budget_s=budget_s, max_steps=max_steps, ramp_frac=ramp_frac)[0]
             case = (max_steps, ramp_frac)
-            assert 1 <= ramp.steps <= max(1, P.STEP_HEADROOM * max_steps) and ramp.tokens > 0, case
+            assert 1 <= ramp.steps <= max(1, C.STEP_HEADROOM * max_steps) and ramp.tokens > 0, case
             assert 0 < ramp.train_s <= budget_s and not re.search(r"[\s(~]-\d", ramp.line()), case
-            if P.STEP_HEADROOM * max_steps < P.RAMP_MIN_STEPS:
+            if C.STEP_HEADROOM * max_steps < P.RAMP_MIN_STEPS:
                 assert ramp == flat, case  # the flat plan, said by launch.check_plan
                 continue
             assert ramp.start_accum < ramp.grad_accum_steps and ramp.train_s > 0.8 * budget_s, case

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import clock as C
 import plan as P
 from model import get_model
 
@@ -11,7 +12,7 @@ NAMES = [entry[0] for entry in P.LADDER]
 
 def test_event_plan_fits_the_budget_inside_max_steps_and_trains_billions_of_tokens(event_plan):
     plan, table = event_plan()
-    assert plan.steps <= P.STEP_HEADROOM * 5000 + 1 and plan.train_s <= 600.0
+    assert plan.steps <= C.STEP_HEADROOM * 5000 + 1 and plan.train_s <= 600.0
     assert plan.tokens >= 5e9 and plan.tokens == plan.steps * plan.tokens_per_step
     assert plan.tokens_per_step >= P.MIN_TOKENS_PER_STEP["cuda"]
     assert plan.tokens_per_step == 32 * plan.micro_batch * 1024 * plan.grad_accum_steps
@@ -28,7 +29,7 @@ def test_a_loose_step_cap_keeps_the_recipe_minimum(event_plan):
 def test_a_tight_step_cap_raises_tokens_per_step_and_auto_sizes_for_what_is_trained(event_plan):
     loose, _ = event_plan(max_steps=10**9)
     tight, _ = event_plan(max_steps=500)
-    assert tight.tokens_per_step > loose.tokens_per_step and tight.steps <= P.STEP_HEADROOM * 500 + 1
+    assert tight.tokens_per_step > loose.tokens_per_step and tight.steps <= C.STEP_HEADROOM * 500 + 1
     assert tight.model == loose.model  # the same tokens get trained, so the same size
     # an explicit --batch_tokens is kept: then the step cap binds, fewer tokens are trained, auto picks smaller
     fixed, _ = event_plan(max_steps=500, batch_tokens=524288)

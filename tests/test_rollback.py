@@ -117,7 +117,7 @@ def recording(run, log, clock, amp, state, guard):
     weights = sum(p.double().sum().item() for p in run.raw_model.parameters())
     with open(f"rank{{run.rank}}.json", "w") as f:
         json.dump({{"rollbacks": guard.rollbacks, "weights": weights}}, f)
-    finish(run, log, clock, amp, state, guard)
+    return finish(run, log, clock, amp, state, guard)
 train.accumulate, train.finish = spiking, recording
 train.main(sys.argv[1:])
 """

@@ -24,6 +24,7 @@ import data  # noqa: E402
 from shards import BLOCK_WINDOWS, Deal  # noqa: E402
 from synthetic import synthetic_entropy_nats, synthetic_tokens  # noqa: E402
 from windows import WindowSpec  # noqa: E402
+import clock  # noqa: E402
 import plan  # noqa: E402
 import train  # noqa: E402
 from eval import load_checkpoint  # noqa: E402  (the organizers' snippet, verbatim)
@@ -133,11 +134,12 @@ def test_organizer_flags_decay_to_the_floor_inside_the_time_budget(tmp_path, tok
 @pytest.mark.slow
 def test_a_ramp_grows_the_batch_and_still_ends_on_the_clock_at_the_floor(tmp_path, token_dir):
     budget = 0.3 * 60
-    timed_run([*organizer_flags(token_dir, 0.3, 40), "--ramp_frac", "0.3"], tmp_path)
+    # a cap of 60: room for a ramp (under ~45 the flat plan runs instead, said once)
+    timed_run([*organizer_flags(token_dir, 0.3, 60), "--ramp_frac", "0.3"], tmp_path)
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     per_step = [r["tokens_per_step"] for r in rows]
     assert per_step == sorted(per_step) and per_step[0] < per_step[-1], per_step  # grew, never shrank
-    assert summary["steps"] <= 40
+    assert summary["steps"] <= 60
     assert_decays_to_the_floor_inside_the_budget(rows, summary, budget)
 
 
@@ -148,7 +150,7 @@ def test_a_tight_max_steps_still_ends_on_the_clock_and_is_never_exceeded(tmp_pat
     budget = 0.3 * 60
     _, _, out, _ = timed_run(organizer_flags(token_dir, 0.3, 40), tmp_path)
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    assert summary["steps"] <= 40 and summary["plan"]["steps"] <= 0.9 * 40 + 1
+    assert summary["steps"] <= 40 and summary["plan"]["steps"] <= clock.STEP_HEADROOM * 40 + 1
     assert summary["plan"]["tokens_per_step"] > plan.MIN_TOKENS_PER_STEP["cpu"]
     assert_decays_to_the_floor_inside_the_budget(rows, summary, budget)
     assert "plan: custom" in out
@@ -584,10 +586,10 @@ class OneRowShort:
         return getattr(self.loader, name)
 
 step = train.optimizer_step
-def short_from_step_3(run, clock, state, amp):
+def short_from_step_3(run, clock, state, *args):
     if state.step == 3 and not isinstance(run.loader, OneRowShort):
         run.loader = OneRowShort(run.loader)
-    return step(run, clock, state, amp)
+    return step(run, clock, state, *args)
 train.optimizer_step = short_from_step_3
 train.main(sys.argv[1:])
 """
