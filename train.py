@@ -144,10 +144,19 @@ class Hyperparameters:
     lr_rule: str = flag(
         "sqrt",
         "sqrt: every LR x sqrt(tokens per step / the recipe's minimum) when the batch is larger (BENCHMARKS.md, "
-        "the step cap); none: the LRs as given",
-        choices=("none", "sqrt"),
+        "the step cap); sqrt_adam: the AdamW groups' only, Muon's as given; none: the LRs as given",
+        choices=("none", "sqrt", "sqrt_adam"),
     )
-    weight_decay: float = flag(0.0, "decoupled weight decay of matrices and tables", **LR)
+    muon_weight_decay: float = flag(
+        0.0, "Muon's weight decay, times the LR, cautious (only where update and weight agree in sign)", **LR
+    )
+    adam_weight_decay: float = flag(0.0, "the same on the AdamW embedding, head and hidden tables", **LR)
+    ns_coeffs: str = flag(
+        "quintic",
+        "Newton-Schulz polynomials: quintic (one fixed, Keller Jordan's) or polar_express (one per iteration, "
+        "Amsel et al. 2025)",
+        choices=("quintic", "polar_express"),
+    )
     muon_momentum_start: float = flag(
         0.85, "Muon momentum at the start (early gradients are noisy)", at_least=0.0, below=1.0
     )
@@ -345,13 +354,24 @@ def evaluate(model, batches, device, amp):
     return (stats[0] / stats[1].clamp(min=1)).item()
 
 
-def batch_lr_scale(step_tokens, hp, kind):
-    """The LR multiplier of a step of step_tokens: 1, or with --lr_rule sqrt the square-root rule for adaptive
-    optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms") against the
-    recipe's minimum batch, never below 1."""
-    if hp.lr_rule == "none":
+def batch_lr_scale(step_tokens, hp, kind, muon=False):
+    """The LR multiplier of a step of step_tokens for an AdamW group (or with muon=True a Muon group): 1, or with
+    --lr_rule sqrt the square-root rule for adaptive optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules
+    for Adaptive Gradient Algorithms") against the recipe's minimum batch, never below 1; sqrt_adam leaves Muon's."""
+    if hp.lr_rule == "none" or (muon and hp.lr_rule == "sqrt_adam"):
         return 1.0
     return math.sqrt(max(step_tokens / MIN_TOKENS_PER_STEP[kind], 1.0))
+
+
+def set_lrs(optimizers, hp, lr_frac, momentum, step_tokens, kind):
+    """Each group's LR for this step (its base LR x the schedule x its batch rule) and Muon's momentum; Muon's
+    groups are the ones with a momentum."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            muon = "momentum" in group
+            group["lr"] = group["base_lr"] * lr_frac * batch_lr_scale(step_tokens, hp, kind, muon)
+            if muon:
+                group["momentum"] = momentum
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -460,12 +480,7 @@ def optimizer_step(run, clock, state, amp):
     done, accum = clock.begin_step(state.step)
     step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * accum
     state.lr_frac, momentum = schedule(done, run.hp)
-    lr_scale = batch_lr_scale(step_tokens, run.hp, run.device.type)
-    for opt in run.optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * state.lr_frac * lr_scale
-            if "momentum" in group:
-                group["momentum"] = momentum
+    set_lrs(run.optimizers, run.hp, state.lr_frac, momentum, step_tokens, run.device.type)
     try:
         if state.step == 0 and run.hp.compile:
             step_loss, state.compile_fallback = first_compiled_step(run, accum, amp)

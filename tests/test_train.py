@@ -682,3 +682,51 @@ def test_the_sqrt_lr_rule_scales_only_a_batch_above_the_recipes():
     assert train.batch_lr_scale(minimum, hp, "cuda") == 1.0 == train.batch_lr_scale(minimum // 2, hp, "cuda")
     assert train.batch_lr_scale(4 * minimum, hp, "cuda") == 2.0
     assert train.batch_lr_scale(4 * minimum, train.Hyperparameters(lr_rule="none"), "cuda") == 1.0
+
+
+@pytest.mark.parametrize("rule, muon_scale", [("sqrt", 2.0), ("sqrt_adam", 1.0), ("none", 1.0)])
+def test_the_loop_applies_each_rule_to_its_optimizers(rule, muon_scale):
+    """train.set_lrs on the real model and optimizers at 4x the recipe's batch, then real steps: every Muon matrix
+    has a gradient (the zero-initialised head and projections pass none at first, so steps run until they do) and
+    moves by its orthogonalised update plus the cautious decay that --muon_weight_decay adds."""
+    from model import get_model
+    from muon import Muon, build_optimizers
+
+    hp = train.Hyperparameters(lr_rule=rule, muon_weight_decay=1.2, adam_weight_decay=0.005)
+    adam_scale = 1.0 if rule == "none" else 2.0
+    models = []
+    for decay in (1.2, 0.0):  # the same run with and without Muon's decay
+        torch.manual_seed(0)
+        model = get_model({"vocab_size": 256, "n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 16})
+        lrs = dict(muon_lr=0.05, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04)
+        models.append((model, build_optimizers(model, **lrs, muon_weight_decay=decay, adam_weight_decay=0.005)))
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    for step in range(4):
+        for model, optimizers in models:
+            train.set_lrs(optimizers, hp, 0.5, 0.9, 4 * plan.MIN_TOKENS_PER_STEP["cpu"], "cpu")
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    scale = muon_scale if isinstance(opt, Muon) else adam_scale
+                    assert group["lr"] == pytest.approx(group["base_lr"] * 0.5 * scale), (rule, group["name"])
+            model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+        muon_params = [p for p in models[0][1][0].param_groups[0]["params"]]
+        if all(p.grad.abs().sum() > 0 for p in muon_params):
+            break
+        for model, optimizers in models:
+            for opt in optimizers:
+                opt.step()
+            model.zero_grad(set_to_none=True)
+    else:
+        pytest.fail("some Muon matrix never got a gradient")
+    before = [p.detach().clone() for p in muon_params]
+    twins = [p.detach().clone() for p in models[1][1][0].param_groups[0]["params"]]
+    for _, optimizers in models:
+        for opt in optimizers:
+            opt.step()
+    lr = 0.05 * 0.5 * muon_scale
+    for p, p0, twin0, twin in zip(muon_params, before, twins, models[1][1][0].param_groups[0]["params"]):
+        torch.testing.assert_close(p0, twin0)  # the two runs agree until the decay
+        assert not torch.equal(p.detach(), p0)
+        decayed = p0 - p.detach() - (twin0 - twin.detach())  # = lr * 1.2 * p0 where cautious, else 0
+        assert (decayed != 0).any() or not p0.any()  # a zero-initialised projection has nothing to decay yet
+        torch.testing.assert_close(decayed, lr * 1.2 * p0 * (decayed != 0), atol=1e-6, rtol=1e-4)
