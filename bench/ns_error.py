@@ -50,8 +50,8 @@ def real_directions(args):
 
 
 def per_iteration(G, coeffs, steps):
-    """[(relative error, smallest sv, largest sv, svs in [0.7, 1.3], svs)] after iterations 1..steps; iterating k steps from scratch is the
-    same computation as stopping the loop after k (each iteration's polynomial depends only on its index)."""
+    """[(relative error, smallest sv, largest sv, svs in [0.7, 1.3], svs)] after iterations 1..steps. Iterating k
+    steps from scratch is the same computation as stopping the loop after k (each polynomial depends on its index)."""
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
     polar = U @ Vh
     rows = []
