@@ -54,10 +54,7 @@ def sweeps(args):
     batch["4x_sqrt_warmup"] = f"{shape(128)} --batch_tokens {4 * MIN_BATCH} --lr_rule sqrt --warmup_frac 0.05"
     record = {name: f"{shape(128)} {flags}" for name, flags in RECORD.items()}
     record["all_record"] = f"{shape(128)} {' '.join(RECORD.values())}"
-    combined = {
-        "default": shape(128),
-        "chosen": f"{shape(128)} {args.chosen}",
-    }
+    combined = {"default": shape(128), "chosen": f"{shape(128)} {args.chosen}"}
     seeds = range(args.seeds)
     return {
         "width": {k: (v, range(1)) for k, v in width_lr.items()},
