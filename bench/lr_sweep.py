@@ -2,7 +2,7 @@
 
     python bench/lr_sweep.py --sweep record              # today's default vs each of the record's settings, 3 seeds
     python bench/lr_sweep.py --sweep batch               # sqrt LR rule: all groups / Adam only / none, 4x batch
-    python bench/lr_sweep.py --sweep width               # Muon and embedding LR x0.5 / x1 / x2 at widths 64, 128, 256
+    python bench/lr_sweep.py --sweep width --seeds 1     # Muon LR x0.25-x2, embedding LR x0.5 / x2, widths 64-256
     python bench/lr_sweep.py --sweep record --lanes 2 --steps 100 --out runs/lr_sweep
 
 Every run is one train.py on the bench corpus (../shared/bench/setup.sh builds it) with --progress_by steps and a
@@ -43,7 +43,7 @@ def sweeps(args):
     width_lr = {}
     for width in (64, 128, 256):
         base = shape(width)
-        for factor in (0.5, 1, 2):
+        for factor in (0.25, 0.5, 1, 2):
             width_lr[f"w{width}_muon_x{factor}"] = f"{base} --muon_lr {0.05 * factor:g}"
         for factor in (0.5, 2):
             width_lr[f"w{width}_embed_x{factor}"] = f"{base} --embed_lr {0.6 * factor:g}"
@@ -55,9 +55,9 @@ def sweeps(args):
     record = {name: f"{shape(128)} {flags}" for name, flags in RECORD.items()}
     record["all_record"] = f"{shape(128)} {' '.join(RECORD.values())}"
     combined = {"default": shape(128), "chosen": f"{shape(128)} {args.chosen}"}
-    seeds = range(args.seeds)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     return {
-        "width": {k: (v, range(1)) for k, v in width_lr.items()},
+        "width": {k: (v, seeds) for k, v in width_lr.items()},
         "batch": {k: (v, seeds) for k, v in batch.items()},
         "record": {k: (v, seeds) for k, v in record.items()},
         "combined": {k: (v, seeds) for k, v in combined.items()},
@@ -126,6 +126,7 @@ def main():
     parser.add_argument("--variants", default="all", help="comma list of the sweep's variants")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps at the minimum batch (4x batch: /4)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first_seed", type=int, default=0, help="seeds first_seed .. first_seed + seeds - 1")
     parser.add_argument("--lanes", type=int, default=2, help="runs side by side, one torch thread each")
     parser.add_argument("--eval_tokens", type=int, default=32768, help="val.bin tokens of the final validation")
     parser.add_argument("--chosen", default="", help="combined sweep: the flags of the chosen recipe")
@@ -138,9 +139,9 @@ def main():
     if args.variants != "all":
         variants = {k: variants[k] for k in args.variants.split(",")}
     out = pathlib.Path(args.out) / args.sweep
-    jobs = [
-        (name, flags, seed) for seed in range(args.seeds) for name, (flags, seeds) in variants.items() if seed in seeds
-    ]
+    out.mkdir(parents=True, exist_ok=True)
+    every = range(args.first_seed, args.first_seed + args.seeds)
+    jobs = [(name, flags, seed) for seed in every for name, (flags, seeds) in variants.items() if seed in seeds]
     started = time.time()
     with ThreadPoolExecutor(args.lanes) as pool:
         results = list(pool.map(lambda job: run(*job, args, out), jobs))

@@ -15,7 +15,19 @@ import torch
 
 import data
 
-from conftest import SHAPE, TINY, VOCAB, child_env, command, first_row, on_tokens, read_metrics, run_train, step_seconds
+from conftest import (
+    FLOOR,
+    SHAPE,
+    TINY,
+    VOCAB,
+    child_env,
+    command,
+    first_row,
+    on_tokens,
+    read_metrics,
+    run_train,
+    step_seconds,
+)
 from eval import load_checkpoint
 
 # ----------------------------------------------------------------------- user errors: one sentence, nothing written
@@ -136,7 +148,7 @@ def test_periodic_validation_is_planned_so_the_decay_still_finishes(tmp_path):
     run_train(args, tmp_path, timeout=180)
     rows, val_rows, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert len(val_rows) >= 3 and summary["stop_reason"] == "time_limit"  # periodic ones (until the decay) + final
-    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0
+    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR
     assert 0.8 * budget < summary["train_s"] <= budget + step_seconds(rows) + 1.0
 
 
@@ -163,7 +175,7 @@ def test_a_frozen_process_is_logged_as_a_stall_and_the_decay_still_finishes(tmp_
     assert proc.returncode == 0, err[-3000:]
     assert "stall:" in out
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0 and summary["stop_reason"] == "time_limit"
+    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR and summary["stop_reason"] == "time_limit"
     assert summary["train_s"] <= budget + step_seconds(rows) + 1.0
 
 
@@ -176,7 +188,7 @@ def test_the_budget_ends_before_the_slurm_wall(tmp_path):
     assert "the SLURM job ends in" in proc.stdout
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["budget_s"] < 15 and summary["train_s"] <= summary["budget_s"] + step_seconds(rows) + 1.0
-    assert summary["final_lr_frac"] == 0.0 and summary["stop_reason"] == "time_limit"
+    assert summary["final_lr_frac"] == FLOOR and summary["stop_reason"] == "time_limit"
 
 
 # ----------------------------------------------------------------------------- bad data mid-run, full disk, two runs
@@ -547,7 +559,7 @@ def test_too_few_steps_for_a_schedule_are_said_and_the_last_step_runs_at_the_flo
     proc, _ = run_train(args, tmp_path, timeout=180)
     assert "too few to warm up, hold and decay" in proc.stdout
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    assert summary["steps"] == max_steps and summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0
+    assert summary["steps"] == max_steps and summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR
     assert rows[0]["lr_frac"] == (0.0 if max_steps == 1 else 1.0)  # two steps: one at the full LR, then the floor
 
 

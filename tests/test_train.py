@@ -26,6 +26,7 @@ import train  # noqa: E402
 from eval import load_checkpoint  # noqa: E402  (the organizers' snippet, verbatim)
 
 from conftest import (  # noqa: E402
+    FLOOR,
     LONG_BUDGET,
     SHAPE,
     TINY,
@@ -107,7 +108,7 @@ def timed_run(args, cwd):
 def assert_decays_to_the_floor_inside_the_budget(rows, summary, budget):
     assert summary["stop_reason"] == "time_limit"
     assert rows[-1]["step"] == summary["steps"]
-    assert rows[-1]["lr_frac"] == summary["final_lr_frac"] == 0.0  # --min_lr_frac default
+    assert rows[-1]["lr_frac"] == summary["final_lr_frac"] == FLOOR  # --min_lr_frac default
     fracs = [r["lr_frac"] for r in rows]
     assert fracs[0] == 1.0 and any(0.0 < f < 1.0 for f in fracs)  # stable, then a real decay
     assert all(a >= b for a, b in zip(fracs, fracs[1:]))
@@ -223,7 +224,7 @@ def max_steps_run(tmp_path_factory, token_dir):
 def test_max_steps_limit_stops_at_that_step_at_the_floor(max_steps_run):
     _, _, (rows, _, summary) = max_steps_run
     assert summary["steps"] == 30 and summary["stop_reason"] == "max_steps"
-    assert rows[-1]["step"] == 30 and rows[-1]["lr_frac"] == summary["final_lr_frac"] == 0.0
+    assert rows[-1]["step"] == 30 and rows[-1]["lr_frac"] == summary["final_lr_frac"] == FLOOR
     assert summary["train_s"] < 60  # the 10-minute budget did not set the length
 
 
@@ -507,7 +508,7 @@ def test_two_gloo_ranks_with_compile_and_bf16_stop_on_the_clock_and_load(tmp_pat
     assert "compile True | autocast bf16 | grad reduce bf16" in proc.stdout
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["world_size"] == 2 and summary["stop_reason"] == "time_limit"
-    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0 and math.isfinite(summary["val_loss"])
+    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR and math.isfinite(summary["val_loss"])
     assert summary["compile_s"] > 10 * step_seconds(rows)  # the clock counted the compilation
     # every rank's clock started after the step-0 checkpoint was on disk
     assert 0 < summary["step0_saved_unix"] <= summary["clock_start_unix"]
@@ -584,7 +585,7 @@ def test_a_compiler_that_fails_at_the_first_step_is_said_once_and_the_run_goes_o
     assert len(said) == 1 and "C++ compiler" in said[0] and "training goes on eagerly" in said[0]
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert "C++ compiler" in summary["compile_fallback"] and summary["compiled_graphs"] == 0
-    assert summary["steps"] == 4 and summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0
+    assert summary["steps"] == 4 and summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR
     assert math.isfinite(summary["val_loss"]) and "Traceback" not in proc.stderr
     _, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     assert ckpt["step"] == 4
@@ -618,9 +619,10 @@ def test_schedule_warmup_stable_decay_floor_and_momentum_warmup():
     assert momentum(0.0) == pytest.approx(0.85) and momentum(0.1) == pytest.approx(0.90)
     assert momentum(0.2) == momentum(0.9) == pytest.approx(0.95)
 
-    default = train.Hyperparameters()  # no warmup, decay to 0 over the last 40%
-    assert train.schedule(0.0, default)[0] == train.schedule(0.59, default)[0] == 1.0
-    assert train.schedule(1.0, default)[0] == 0.0
+    default = train.Hyperparameters()  # no warmup, decay over the last decay_frac to the floor
+    stable_end = 1.0 - default.decay_frac
+    assert train.schedule(0.0, default)[0] == train.schedule(stable_end - 0.01, default)[0] == 1.0
+    assert train.schedule(1.0, default)[0] == default.min_lr_frac
 
 
 def test_cosine_schedule_and_warmup_reach_the_floor():
