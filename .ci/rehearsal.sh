@@ -22,7 +22,7 @@ cd "$WORK/submission"
 python3 -m torch.distributed.run --standalone --nproc_per_node=2 train.py \
     --data_dir "$WORK/data" --checkpoint_path checkpoint.pt --seq_len 1024 --batch_size 8 --grad_accum_steps 4 \
     --max_steps 5000 --time_limit_min "$BUDGET_MIN" \
-    --compile --n_layer 16 --n_head 2 --n_embd 32 --val_every_min 0.5 --val_tokens "$VAL_TOKENS" \
+    --compile --n_layer 16 --n_head 2 --n_embd 32 --val_every_min 0.25 --val_tokens "$VAL_TOKENS" \
     >"$WORK/train.log" 2>&1 || { tail -n 40 "$WORK/train.log"; exit 1; }
 tr '\r' '\n' <"$WORK/train.log" | grep -v "s/s\]" | grep -v '^\s*$' | tail -n 8 | cut -c1-400
 python3 eval.py checkpoint.pt --data "$WORK/data" --max_tokens "$VAL_TOKENS" --device cpu >"$WORK/eval.log"

@@ -143,8 +143,9 @@ def synthetic_time_run(tmp_path, extra, budget_min=0.3):
 def test_periodic_validation_is_planned_so_the_decay_still_finishes(tmp_path):
     budget = 0.3 * 60
     args = synthetic_time_run(
-        tmp_path, ["--val_tokens", "131072", "--val_eval_tokens", "131072", "--val_every_min", "0.05"]
-    )
+        tmp_path,
+        ["--val_tokens", "131072", "--val_eval_tokens", "131072", "--val_every_min", "0.05", "--decay_frac", "0.4"],
+    )  # periodic validation stops where the decay starts: 0.4 leaves 60% of the 18 s for it
     run_train(args, tmp_path, timeout=180)
     rows, val_rows, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert len(val_rows) >= 3 and summary["stop_reason"] == "time_limit"  # periodic ones (until the decay) + final
@@ -560,7 +561,7 @@ def test_too_few_steps_for_a_schedule_are_said_and_the_last_step_runs_at_the_flo
     assert "too few to warm up, hold and decay" in proc.stdout
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["steps"] == max_steps and summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR
-    assert rows[0]["lr_frac"] == (0.0 if max_steps == 1 else 1.0)  # two steps: one at the full LR, then the floor
+    assert rows[0]["lr_frac"] == (FLOOR if max_steps == 1 else 1.0)  # two steps: one at the full LR, then the floor
 
 
 @pytest.mark.slow
