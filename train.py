@@ -139,8 +139,9 @@ class Hyperparameters:
     optimizer: str = flag(
         "muon", "muon: Muon for hidden matrices + AdamW; adamw: AdamW for everything", choices=("muon", "adamw")
     )
-    # 0.05: mnGPT short track 2024-25 (width 768, ~0.5M tokens). Here: x0.5 MUONLR_NOTE; widths 64-256 in BENCHMARKS.md
-    muon_lr: float = flag(0.05, "Muon LR of the hidden matrices", **LR)
+    # 0.025: mnGPT short track's 0.05 (width 768, ~0.5M tokens) halved. Here at l4w128: 0.025 vs 0.05 -0.041 to -0.055
+    # on 3/3 seeds; 0.0125 ties 0.025; widths 128 and 256 both prefer x0.5 (no move), 64 x2 (BENCHMARKS.md, optimizer)
+    muon_lr: float = flag(0.025, "Muon LR of the hidden matrices", **LR)
     adamw_lr: float = flag(3e-3, "AdamW LR of the hidden matrices with --optimizer adamw", **LR)
     # 0.6: mnGPT short track. Here: x0.5 -0.025, x2 +0.047 at width 64 (one seed, ties); kept
     embed_lr: float = flag(0.6, "AdamW LR of the embedding tables", **LR)
