@@ -556,8 +556,9 @@ def test_a_plan_that_does_not_fit_in_memory_is_refused_before_the_step0_save(tmp
 @pytest.mark.slow
 @pytest.mark.parametrize("max_steps", [1, 2])
 def test_too_few_steps_for_a_schedule_are_said_and_the_last_step_runs_at_the_floor(tmp_path, max_steps):
-    args = synthetic_time_run(tmp_path, ["--max_steps", str(max_steps), "--val_tokens", "4096"], budget_min=0.1)
-    proc, _ = run_train(args, tmp_path, timeout=180)
+    # --decay_frac 0.4: the second of two steps (progress 0.5) is still in the stable phase
+    extra = ["--max_steps", str(max_steps), "--val_tokens", "4096", "--decay_frac", "0.4"]
+    proc, _ = run_train(synthetic_time_run(tmp_path, extra, budget_min=0.1), tmp_path, timeout=180)
     assert "too few to warm up, hold and decay" in proc.stdout
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["steps"] == max_steps and summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR
