@@ -133,15 +133,23 @@ class Hyperparameters:
     warmup_frac: float = flag(0.0, "fraction of the run in linear LR warmup (Muon needs none)", at_least=0.0, below=1.0)
     # cooldown 0.7: mnGPT medium track (16 x 1024), "longer cooldown" -30 s. Here (BENCHMARKS.md, optimizer settings):
     # vs 0.4 +0.041 at 40 CPU steps (worse on 3/3 seeds, within their 0.11 spread): the record decides; gpu_ab re-tests
-    decay_frac: float = flag(0.7, "WSD: fraction of the run in the final linear decay", above=0.0, at_most=1.0)
+    decay_frac: float = flag(
+        0.7, "WSD: fraction of the run in the final linear decay (0.7: the 16 x 1024 record's)", above=0.0, at_most=1.0
+    )
     # floor 0.15: mnGPT short track (train_gpt.py), -1.2 s. Here: vs 0 -0.017 (2 seeds, a tie); the record decides
-    min_lr_frac: float = flag(0.15, "the LR floor the decay ends at, as a fraction of each group's LR", **FRACTION)
+    min_lr_frac: float = flag(
+        0.15,
+        "the LR floor the decay ends at, as a fraction of each group's LR (0.15: the short-track record's)",
+        **FRACTION,
+    )
     optimizer: str = flag(
         "muon", "muon: Muon for hidden matrices + AdamW; adamw: AdamW for everything", choices=("muon", "adamw")
     )
     # 0.025: mnGPT short track's 0.05 (width 768, ~0.5M tokens) halved. Here at l4w128: 0.025 vs 0.05 -0.041 to -0.055
     # on 3/3 seeds; 0.0125 ties 0.025; widths 128 and 256 both prefer x0.5 (no move), 64 x2 (BENCHMARKS.md, optimizer)
-    muon_lr: float = flag(0.025, "Muon LR of the hidden matrices", **LR)
+    muon_lr: float = flag(
+        0.025, "Muon LR of the hidden matrices (the CPU's best at widths 128-256, BENCHMARKS.md)", **LR
+    )
     adamw_lr: float = flag(3e-3, "AdamW LR of the hidden matrices with --optimizer adamw", **LR)
     # 0.6: mnGPT short track. Here: x0.5 -0.025, x2 +0.047 at width 64 (one seed, ties); kept
     embed_lr: float = flag(0.6, "AdamW LR of the embedding tables", **LR)
