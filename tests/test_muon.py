@@ -134,9 +134,9 @@ def gloo_worker(rank, world_size, port, cases):
         torch.set_num_threads(1)
         orthogonalised = []  # how many parameters this rank ran Newton-Schulz on
 
-        def counting_newtonschulz(G, steps):
+        def counting_newtonschulz(G, steps, coeffs="quintic"):
             orthogonalised.append(len(G))  # Muon stacks whole parameters along a new first dim
-            return zeropower_via_newtonschulz(G, steps)
+            return zeropower_via_newtonschulz(G, steps, coeffs)
 
         muon.zeropower_via_newtonschulz = counting_newtonschulz  # a spawned process: patches only itself
         for n_matrices, (after_1, after_5) in cases:
