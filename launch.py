@@ -348,7 +348,9 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         head_lr=hp.head_lr,
         scalar_lr=hp.scalar_lr,
         muon_momentum=hp.muon_momentum_start,
-        weight_decay=hp.weight_decay,
+        muon_weight_decay=hp.muon_weight_decay,
+        adam_weight_decay=hp.adam_weight_decay,
+        ns_coeffs=hp.ns_coeffs,
         tied_head=tied_head,
     )
     if hp.compile:

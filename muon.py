@@ -27,22 +27,41 @@ import torch.distributed as dist
 from torch import nn
 
 
-def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+# Newton-Schulz coefficient sets (a, b, c) of X <- a X + b (X X^T) X + c (X X^T)^2 X; iteration i uses entry
+# min(i, len - 1), with the input divided by its Frobenius norm x safety first.
+NS_COEFFS = {
+    # Keller Jordan's quintic for Muon (modded-nanogpt): one fixed polynomial with a steep slope near 0.
+    "quintic": ((3.4445, -4.7750, 2.0315),),
+    # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): one minimax-optimal polynomial per
+    # iteration, computed for 5 iterations with safety factor 2e-2 and cushion 2; the values modded-nanogpt uses.
+    "polar_express": (
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ),
+}
+NS_SAFETY = {"quintic": 1.0, "polar_express": 1.02}  # Polar Express's coefficients assume a spectrum in [0, 1/1.02]
+
+
+def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, coeffs: str = "quintic") -> torch.Tensor:
     """Map G = U S V^T (last two dims; tall, wide, square or a batched stack) to about U V^T.
 
-    Quintic Newton-Schulz with modded-nanogpt's coefficients: they are tuned for a steep slope near
-    zero rather than convergence, so after 5 steps singular values land in roughly [0.7, 1.2], not at 1,
-    which Muon does not need. Computes in bf16 on CUDA and float32 on CPU (bf16 matmul is slow there);
-    returns G's shape in the compute dtype.
+    coeffs names an NS_COEFFS set. "quintic" is tuned for a steep slope near zero rather than convergence, so
+    after 5 steps singular values land in roughly [0.7, 1.2], not at 1, which Muon does not need; "polar_express"
+    changes the polynomial at each iteration and lands closer to 1 in the same 5 steps (bench/ns_error.py).
+    Computes in bf16 on CUDA and float32 on CPU (bf16 matmul is slow there); returns G's shape in the compute dtype.
     """
-    a, b, c = 3.4445, -4.7750, 2.0315
+    table = NS_COEFFS[coeffs]
     X = (G.bfloat16() if G.is_cuda else G.float()).reshape(-1, *G.shape[-2:])  # one batch dim, for baddbmm
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT  # iterate on the wide side so the Gram matrix X X^T is the small one
     # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1].
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(steps):
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * NS_SAFETY[coeffs] + 1e-7)
+    for i in range(steps):
+        a, b, c = table[min(i, len(table) - 1)]
         A = X @ X.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A A in one kernel: at small widths the
         X = torch.baddbmm(X, B, X, beta=a)  # elementwise passes cost a third of the iteration
@@ -70,7 +89,7 @@ def _assign_to_ranks(costs: list[float], world_size: int) -> list[int]:
 
 def flat_gather(distributed=dist):
     """all_gather_single is torch >= 2.13's name; older releases (the floor, 2.6) call it all_gather_into_tensor.
-    None when neither exists (launch.torch_problem refuses that torch before the clock)."""
+    None when neither exists (ranks.torch_problem refuses that torch before the clock)."""
     return getattr(distributed, "all_gather_single", None) or getattr(distributed, "all_gather_into_tensor", None)
 
 
@@ -83,15 +102,38 @@ class Muon(torch.optim.Optimizer):
     The last two dims are the matrix (rows = out features); leading dims are a stack of matrices.
     Per step, for each parameter p with gradient g (already averaged over ranks):
         buf = lerp(buf, g, 1 - momentum);  u = lerp(g, buf, momentum) if nesterov else buf
-        p *= 1 - lr * weight_decay                                   (decoupled weight decay)
-        p -= lr * sqrt(max(1, rows / cols)) * NS(u)
-    The shape factor keeps the per-entry update size comparable for tall matrices. Every group also
+        d = sqrt(max(1, rows / cols)) * NS(u)
+        p -= lr * weight_decay * p * mask                            (decoupled weight decay, times the LR)
+        p -= lr * d
+    mask is 1 everywhere, or with cautious=True only where d and p have the same sign (where the update already
+    pulls the weight toward 0: "cautious weight decay", modded-nanogpt's medium track). The shape factor keeps
+    the per-entry update size comparable for tall matrices. Every group also
     stores "base_lr" (its lr at construction) for train.py's schedule, which rewrites "lr" and
     "momentum" in place each step.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay)
+    def __init__(
+        self,
+        params,
+        lr=0.02,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        weight_decay=0.0,
+        cautious=False,
+        ns_coeffs="quintic",
+    ):
+        if ns_coeffs not in NS_COEFFS:
+            raise ValueError(f"ns_coeffs must be one of {', '.join(NS_COEFFS)}, got {ns_coeffs!r}")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            weight_decay=weight_decay,
+            cautious=cautious,
+            ns_coeffs=ns_coeffs,
+        )
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -129,19 +171,24 @@ class Muon(torch.optim.Optimizer):
         batches = defaultdict(list)  # same-shape matrices of this rank's share go through one batched call
         for i in range(len(params)):
             if owners[i] == rank:
-                batches[(params[i].shape, groups[i]["ns_steps"])].append(i)
+                batches[(params[i].shape, groups[i]["ns_steps"], groups[i]["ns_coeffs"])].append(i)
         ortho = {}
-        for (_, steps), idx in batches.items():
+        for (_, steps, coeffs), idx in batches.items():
             stacked = torch.stack([self._direction(params[i], groups[i]) for i in idx])
-            ortho.update(zip(idx, zeropower_via_newtonschulz(stacked, steps)))
+            ortho.update(zip(idx, zeropower_via_newtonschulz(stacked, steps, coeffs)))
 
         if distributed:
             ortho = self._exchange(params, owners, ortho, world_size, rank)
 
         for i, (p, group) in enumerate(zip(params, groups)):
             scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(ortho[i].view_as(p), alpha=-group["lr"] * scale)
+            update = ortho[i].view_as(p)
+            decay = group["lr"] * group["weight_decay"]
+            if decay and group.get("cautious", False):
+                p.sub_(p * (update * p > 0), alpha=decay)
+            elif decay:
+                p.mul_(1 - decay)
+            p.add_(update, alpha=-group["lr"] * scale)
         return loss
 
     def _direction(self, p, group):
@@ -173,6 +220,24 @@ class Muon(torch.optim.Optimizer):
         return updates
 
 
+class CautiousAdamW(torch.optim.AdamW):
+    """torch's fused AdamW, plus a group key "cautious_wd": weight decay times the LR applied after the step, only
+    where the Adam update (sign of exp_avg: the denominator is positive) and the weight have the same sign, as in
+    modded-nanogpt's medium track. The groups' own "weight_decay" (torch's plain decoupled decay) stays 0."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            decay = group["lr"] * group.get("cautious_wd", 0.0)
+            if not decay:
+                continue
+            for p in group["params"]:
+                if p.grad is not None and "exp_avg" in self.state[p]:
+                    p.sub_(p * (self.state[p]["exp_avg"] * p > 0), alpha=decay)
+        return loss
+
+
 def build_optimizers(
     model: nn.Module,
     *,
@@ -183,7 +248,9 @@ def build_optimizers(
     muon_momentum=0.95,
     adam_betas=(0.8, 0.95),
     adam_eps=1e-10,
-    weight_decay=0.0,
+    muon_weight_decay=0.0,
+    adam_weight_decay=0.0,
+    ns_coeffs="quintic",
     use_muon=True,
     hidden_adamw_lr=3e-3,
     tied_head=None,
@@ -202,7 +269,9 @@ def build_optimizers(
       3. every other parameter with ndim >= 2    -> Muon  group "muon"   (lr=muon_lr)
       4. ndim < 2: gains, scalars, biases        -> AdamW group "scalar" (lr=scalar_lr, no weight decay)
     Embedding rows and head rows are per-token vectors, not hidden linear maps, so orthogonalising
-    them is not what Muon is for. Empty AdamW groups are left out. AdamW is fused on every device: one kernel
+    them is not what Muon is for. Weight decay is cautious and multiplied by the LR (Muon.step, CautiousAdamW):
+    muon_weight_decay on the Muon group, adam_weight_decay on embed, head and hidden; never on scalars.
+    Empty AdamW groups are left out. AdamW is fused on every device: one kernel
     over all its tensors (on one CPU thread, 15 ms against 114 for the per-tensor loop over four 32K x 128 tables).
     """
     embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
@@ -222,19 +291,26 @@ def build_optimizers(
     if not use_muon:
         split["hidden"] = split.pop("muon")
     adam_groups = [
-        dict(name=name, params=split[name], lr=lr, base_lr=lr, weight_decay=wd)
+        dict(name=name, params=split[name], lr=lr, base_lr=lr, cautious_wd=wd)
         for name, lr, wd in [
-            ("embed", embed_lr, weight_decay),
-            ("head", head_lr, weight_decay),
-            ("hidden", hidden_adamw_lr, weight_decay),
+            ("embed", embed_lr, adam_weight_decay),
+            ("head", head_lr, adam_weight_decay),
+            ("hidden", hidden_adamw_lr, adam_weight_decay),
             ("scalar", scalar_lr, 0.0),
         ]
         if split[name]
     ]
-    adamw = torch.optim.AdamW(adam_groups, betas=adam_betas, eps=adam_eps, weight_decay=0.0, fused=True)
+    adamw = CautiousAdamW(adam_groups, betas=adam_betas, eps=adam_eps, weight_decay=0.0, fused=True)
     if not use_muon:
         return [adamw]
     return [
-        Muon([dict(name="muon", params=split["muon"])], lr=muon_lr, momentum=muon_momentum, weight_decay=weight_decay),
+        Muon(
+            [dict(name="muon", params=split["muon"])],
+            lr=muon_lr,
+            momentum=muon_momentum,
+            weight_decay=muon_weight_decay,
+            cautious=True,
+            ns_coeffs=ns_coeffs,
+        ),
         adamw,
     ]

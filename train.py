@@ -135,23 +135,52 @@ class Hyperparameters:
         "clock", "clock: elapsed / budget; steps: step / max_steps (the starter's way)", choices=("clock", "steps")
     )
     warmup_frac: float = flag(0.0, "fraction of the run in linear LR warmup (Muon needs none)", at_least=0.0, below=1.0)
-    decay_frac: float = flag(0.4, "WSD: fraction of the run in the final linear decay", above=0.0, at_most=1.0)
-    min_lr_frac: float = flag(0.0, "the LR floor the decay ends at, as a fraction of each group's LR", **FRACTION)
+    # cooldown 0.7: mnGPT medium track (16 x 1024), "longer cooldown" -30 s. Here (BENCHMARKS.md, optimizer settings):
+    # vs 0.4 +0.041 at 40 CPU steps (worse on 3/3 seeds, within their 0.11 spread): the record decides; gpu_ab re-tests
+    decay_frac: float = flag(
+        0.7, "WSD: fraction of the run in the final linear decay (0.7: the 16 x 1024 record's)", above=0.0, at_most=1.0
+    )
+    # floor 0.15: mnGPT short track (train_gpt.py), -1.2 s. Here: vs 0 -0.017 (2 seeds, a tie); the record decides
+    min_lr_frac: float = flag(
+        0.15,
+        "the LR floor the decay ends at, as a fraction of each group's LR (0.15: the short-track record's)",
+        **FRACTION,
+    )
     optimizer: str = flag(
         "muon", "muon: Muon for hidden matrices + AdamW; adamw: AdamW for everything", choices=("muon", "adamw")
     )
-    muon_lr: float = flag(0.05, "Muon LR of the hidden matrices", **LR)
+    # 0.025: mnGPT short track's 0.05 (width 768, ~0.5M tokens) halved. Here at l4w128: 0.025 vs 0.05 -0.041 to -0.055
+    # on 3/3 seeds; 0.0125 ties 0.025; widths 128 and 256 both prefer x0.5 (no move), 64 x2 (BENCHMARKS.md, optimizer)
+    muon_lr: float = flag(
+        0.025, "Muon LR of the hidden matrices (the CPU's best at widths 128-256, BENCHMARKS.md)", **LR
+    )
     adamw_lr: float = flag(3e-3, "AdamW LR of the hidden matrices with --optimizer adamw", **LR)
+    # 0.6: mnGPT short track. Here: x0.5 -0.025, x2 +0.047 at width 64 (one seed, ties); kept
     embed_lr: float = flag(0.6, "AdamW LR of the embedding tables", **LR)
     head_lr: float = flag(0.008, "AdamW LR of the output head (and of a tied embedding)", **LR)
     scalar_lr: float = flag(0.04, "AdamW LR of gains and scalars", **LR)
+    # sqrt: Malladi et al. 2022 (arXiv:2205.10287); mnGPT short track scales every group with its batch. Here at 4x the
+    # batch: none +0.30-0.39 (beyond noise), sqrt_adam +0.016 (2 seeds, a tie); BENCHMARKS.md, step cap and optimizer
     lr_rule: str = flag(
         "sqrt",
         "sqrt: every LR x sqrt(tokens per step / the recipe's minimum) when the batch is larger (BENCHMARKS.md, "
-        "the step cap); none: the LRs as given",
-        choices=("none", "sqrt"),
+        "the step cap); sqrt_adam: the AdamW groups' only, Muon's as given; none: the LRs as given",
+        choices=("none", "sqrt", "sqrt_adam"),
     )
-    weight_decay: float = flag(0.0, "decoupled weight decay of matrices and tables", **LR)
+    # 1.2 x LR, cautious: mnGPT medium track (16 x 1024), weight decay -72 s. Here: -0.017 (2 seeds, a tie); adopted
+    muon_weight_decay: float = flag(
+        1.2, "Muon's weight decay, times the LR, cautious (only where update and weight agree in sign)", **LR
+    )
+    # 0.005 x LR, cautious: mnGPT medium track's Adam groups. Here: measured with Muon's 1.2 (above)
+    adam_weight_decay: float = flag(0.005, "the same on the AdamW embedding, head and hidden tables", **LR)
+    # Polar Express: Amsel et al. 2025 (arXiv:2505.16932); mnGPT "tuned Newton-Schulz coefficients" -24 s. Here: +0.023
+    # (2 seeds, a tie); 5 iterations on real gradients: error 0.29 vs the quintic's 0.40 (bench/ns_error.py); adopted
+    ns_coeffs: str = flag(
+        "polar_express",
+        "Newton-Schulz polynomials: quintic (one fixed, Keller Jordan's) or polar_express (one per iteration, "
+        "Amsel et al. 2025)",
+        choices=("quintic", "polar_express"),
+    )
     muon_momentum_start: float = flag(
         0.85, "Muon momentum at the start (early gradients are noisy)", at_least=0.0, below=1.0
     )
@@ -384,13 +413,25 @@ def evaluate(model, batches, device, amp):
     return (stats[0] / stats[1].clamp(min=1)).item()
 
 
-def batch_lr_scale(step_tokens, hp, kind):
-    """The LR multiplier of a step of step_tokens: 1, or with --lr_rule sqrt the square-root rule for adaptive
-    optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms") against the
-    recipe's minimum batch, never below 1."""
-    if hp.lr_rule == "none":
+def batch_lr_scale(step_tokens, hp, kind, muon=False):
+    """The LR multiplier of a step of step_tokens for an AdamW group (or with muon=True a Muon group): 1, or with
+    --lr_rule sqrt the square-root rule for adaptive optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules
+    for Adaptive Gradient Algorithms") against the recipe's minimum batch, never below 1; sqrt_adam leaves Muon's."""
+    if hp.lr_rule == "none" or (muon and hp.lr_rule == "sqrt_adam"):
         return 1.0
     return math.sqrt(max(step_tokens / MIN_TOKENS_PER_STEP[kind], 1.0))
+
+
+def set_lrs(optimizers, hp, lr_frac, momentum, step_tokens, kind, after_rollbacks=lambda factor: factor):
+    """Each group's LR for this step (its base LR x the schedule x its batch rule, as the rollbacks so far left it)
+    and Muon's momentum; Muon's groups are the ones with a momentum."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            muon = "momentum" in group
+            factor = after_rollbacks(batch_lr_scale(step_tokens, hp, kind, muon))
+            group["lr"] = group["base_lr"] * lr_frac * factor
+            if muon:
+                group["momentum"] = momentum
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -514,12 +555,7 @@ def optimizer_step(run, clock, state, guard, amp):
     done, accum = clock.begin_step(state.step)
     step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * accum
     state.lr_frac, momentum = schedule(done, run.hp)
-    lr_scale = guard.lr_scale(batch_lr_scale(step_tokens, run.hp, run.device.type))
-    for opt in run.optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * state.lr_frac * lr_scale
-            if "momentum" in group:
-                group["momentum"] = momentum
+    set_lrs(run.optimizers, run.hp, state.lr_frac, momentum, step_tokens, run.device.type, guard.lr_scale)
     try:
         if state.step == 0 and run.hp.compile:
             step_loss, state.compile_fallback = first_compiled_step(run, accum, amp)

@@ -22,15 +22,17 @@ cd "$WORK/submission"
 python3 -m torch.distributed.run --standalone --nproc_per_node=2 train.py \
     --data_dir "$WORK/data" --checkpoint_path checkpoint.pt --seq_len 1024 --batch_size 8 --grad_accum_steps 4 \
     --max_steps 5000 --time_limit_min "$BUDGET_MIN" \
-    --compile --n_layer 16 --n_head 2 --n_embd 32 --val_every_min 0.5 --val_tokens "$VAL_TOKENS" \
+    --compile --n_layer 16 --n_head 2 --n_embd 32 --val_every_min 0.25 --val_tokens "$VAL_TOKENS" \
     >"$WORK/train.log" 2>&1 || { tail -n 40 "$WORK/train.log"; exit 1; }
 tr '\r' '\n' <"$WORK/train.log" | grep -v "s/s\]" | grep -v '^\s*$' | tail -n 8 | cut -c1-400
 python3 eval.py checkpoint.pt --data "$WORK/data" --max_tokens "$VAL_TOKENS" --device cpu >"$WORK/eval.log"
 tail -n 2 "$WORK/eval.log" | head -n 1
 
-python3 - "$WORK/submission/metrics.jsonl" "$WORK/eval.log" <<'EOF'
+FLOOR=$(cd "$REPO" && python3 -c "import train; print(train.Hyperparameters().min_lr_frac)")
+python3 - "$WORK/submission/metrics.jsonl" "$WORK/eval.log" "$FLOOR" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
+floor = float(sys.argv[3])  # --min_lr_frac's default: the LR fraction of the last step
 summary, train_rows = rows[-1], [r for r in rows if "lr_frac" in r]
 periodic = [r for r in rows[:-2] if "val_loss" in r]
 scored = json.loads(open(sys.argv[2]).read().splitlines()[-1])
@@ -38,7 +40,7 @@ step_s = (train_rows[-1]["elapsed_s"] - train_rows[1]["elapsed_s"]) / max(train_
 checks = {
     "2 ranks, exit 0, a summary with a validation loss": summary["world_size"] == 2 and summary["val_loss"] > 0,
     "stopped by the clock, last step at the floor LR": summary["stop_reason"] == "time_limit"
-    and summary["final_lr_frac"] == train_rows[-1]["lr_frac"] == 0.0,
+    and summary["final_lr_frac"] == train_rows[-1]["lr_frac"] == floor,
     "inside the budget (+ the step in flight)": summary["train_s"] <= summary["budget_s"] + step_s,
     "every graph compiled at step 0, as planned": summary["compiled_graphs"] == summary["planned_graphs"] > 0
     and summary["compile_fallback"] is None,

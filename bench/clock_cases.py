@@ -3,8 +3,8 @@
     python bench/clock_cases.py
 
 1. A first step (compilation) of 10-70% of the 600 s budget, the real step as forecast or 2x off either way:
-   steps run, the share of steps after the compile step in the stable phase (progress < 0.6 at the default 0.4
-   decay), where the run ended.
+   steps run, the share of the steps after the compile step that come before progress 0.6 (the stable phase of a 0.4
+   decay: ~60% when progress follows the time after the compile step), where the run ended.
 2. The event's plan (2,555,904 tokens/step = 32 x 13 x 1024 x 6, cap 5000) on a device 0.25x-4x the forecast speed:
    steps run, the final accumulation, the end.
 """
@@ -36,7 +36,7 @@ def drive(clock, unit_s, first_extra_s=0.0):
 def main():
     plan, _ = make_plan(model="l16w1024", shape=None, tokens_per_param=20.0, **EVENT)
     print(f"plan: {plan.line()}\n")
-    print("| first step (share of 600 s) | real step | steps | stable share after it | end (s) | last progress |")
+    print("| first step (share of 600 s) | real step | steps | share before progress 0.6 | end (s) | last progress |")
     print("| --- | --- | --- | --- | --- | --- |")
     for share in (0.1, 0.33, 0.5, 0.7):
         for step_s in (plan.step_s, plan.step_s / 2, plan.step_s * 2):

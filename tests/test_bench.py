@@ -22,6 +22,8 @@ SCRIPTS = [
     "bench/compile_time.py",
     "bench/comm_bytes.py",
     "bench/validation_cost.py",
+    "bench/lr_sweep.py",
+    "bench/ns_error.py",
 ]
 
 
@@ -54,6 +56,28 @@ def test_every_speedrun_variant_parses_in_train():
 def test_gpu_check_is_valid_bash():
     result = subprocess.run(["bash", "-n", str(REPO / "bench/gpu_check.sh")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_every_lr_sweep_and_gpu_ab_variant_parses_in_train():
+    """bench/lr_sweep.py's runs and bench/gpu_ab.sh's default variants use real train.py flags with valid values."""
+    import argparse
+    import re
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import lr_sweep
+    from train import check_flags, parse_args
+
+    args = argparse.Namespace(seeds=3, first_seed=0, chosen="--muon_lr 0.025")
+    runs = [flags for sweep in lr_sweep.sweeps(args).values() for flags, _ in sweep.values()]
+    gpu_ab = (REPO / "bench/gpu_ab.sh").read_text()
+    variants = re.search(r'VARIANTS=\$\{VARIANTS:-"(.*)"\}', gpu_ab).group(1)
+    runs += [spec.partition("=")[2] for spec in variants.split(";")]
+    assert len(runs) > 20
+    for flags in runs:
+        hp, _, unknown = parse_args(flags.split())
+        assert not unknown, (flags, unknown)
+        check_flags(hp)
+    assert subprocess.run(["bash", "-n", str(REPO / "bench/gpu_ab.sh")]).returncode == 0
 
 
 def test_head_loss_phase_clock_splits_the_step_without_changing_it():

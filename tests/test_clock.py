@@ -117,8 +117,8 @@ def test_clock_ends_at_the_floor_inside_the_budget_with_validation_and_a_stall()
 def test_a_long_compile_leaves_the_whole_schedule_to_the_steps_after_it(compile_share, step_s):
     """The event's numbers (600 s, cap 5000, accumulation 6 of at least 2, 133.6 ms forecast; measured as forecast, or
     2x off either way) with a first step of 10-70% of the budget: the schedule's time starts when the compile step
-    ends, so the stable phase (progress < 0.6 at the default 0.4 decay) and the decay each get their share of the
-    steps after it, and the last is at the floor."""
+    ends, so its progress moves with the time after it (~60% of the steps after it come before progress 0.6, as a
+    0.4 decay's stable phase would), and the last step is at the floor."""
     clock = C.Clock(600.0, 5000, 6, 1.0, may_replan=True, planned_step_s=0.1336, min_accum=2)
     seen, begin = [], clock.begin_step
     clock.begin_step = lambda step: seen.append(begin(step)) or seen[-1]

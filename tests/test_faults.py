@@ -17,6 +17,7 @@ import torch
 from synthetic import write_synthetic
 
 from conftest import (
+    FLOOR,
     SHAPE,
     TINY,
     TRAIN,
@@ -146,12 +147,13 @@ def synthetic_time_run(tmp_path, extra, budget_min=0.3):
 def test_periodic_validation_is_planned_so_the_decay_still_finishes(tmp_path):
     budget = 0.3 * 60
     args = synthetic_time_run(
-        tmp_path, ["--val_tokens", "131072", "--val_eval_tokens", "131072", "--val_every_min", "0.05"]
-    )
+        tmp_path,
+        ["--val_tokens", "131072", "--val_eval_tokens", "131072", "--val_every_min", "0.05", "--decay_frac", "0.4"],
+    )  # periodic validation stops where the decay starts: 0.4 leaves 60% of the 18 s for it
     run_train(args, tmp_path, timeout=180)
     rows, val_rows, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert len(val_rows) >= 3 and summary["stop_reason"] == "time_limit"  # periodic ones (until the decay) + final
-    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0
+    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR
     assert 0.8 * budget < summary["train_s"] <= budget + step_seconds(rows) + 1.0
 
 
@@ -178,7 +180,7 @@ def test_a_frozen_process_is_logged_as_a_stall_and_the_decay_still_finishes(tmp_
     assert proc.returncode == 0, err[-3000:]
     assert "stall:" in out
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0 and summary["stop_reason"] == "time_limit"
+    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR and summary["stop_reason"] == "time_limit"
     assert summary["train_s"] <= budget + step_seconds(rows) + 1.0
 
 
@@ -202,7 +204,7 @@ def test_the_budget_ends_before_the_slurm_wall_measured_from_the_deadline(tmp_pa
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     step_s = step_seconds(rows)
     assert summary["clock_start_unix"] + summary["train_s"] <= end - 25 + step_s + 1.0, (summary, step_s)
-    assert summary["budget_s"] < 35 - 8 + 1 and summary["final_lr_frac"] == 0.0
+    assert summary["budget_s"] < 35 - 8 + 1 and summary["final_lr_frac"] == FLOOR
     assert summary["stop_reason"] == "time_limit"
 
 
@@ -502,7 +504,8 @@ FLAG_CASES = [
     ["--muon_lr", "nan"],
     ["--embed_lr", "-0.1"],
     ["--head_lr", "inf"],
-    ["--weight_decay", "inf"],
+    ["--muon_weight_decay", "inf"],
+    ["--adam_weight_decay", "-1"],
     ["--muon_momentum", "1.0"],
     ["--muon_momentum_start", "-0.5"],
     ["--momentum_warmup_frac", "2"],
@@ -569,12 +572,13 @@ def test_a_plan_that_does_not_fit_in_memory_is_refused_before_the_step0_save(tmp
 @pytest.mark.slow
 @pytest.mark.parametrize("max_steps", [1, 2])
 def test_too_few_steps_for_a_schedule_are_said_and_the_last_step_runs_at_the_floor(tmp_path, max_steps):
-    args = synthetic_time_run(tmp_path, ["--max_steps", str(max_steps), "--val_tokens", "4096"], budget_min=0.1)
-    proc, _ = run_train(args, tmp_path, timeout=180)
+    # --decay_frac 0.4: the second of two steps (progress 0.5) is still in the stable phase
+    extra = ["--max_steps", str(max_steps), "--val_tokens", "4096", "--decay_frac", "0.4"]
+    proc, _ = run_train(synthetic_time_run(tmp_path, extra, budget_min=0.1), tmp_path, timeout=180)
     assert "too few to warm up, hold and decay" in proc.stdout
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    assert summary["steps"] == max_steps and summary["final_lr_frac"] == rows[-1]["lr_frac"] == 0.0
-    assert rows[0]["lr_frac"] == (0.0 if max_steps == 1 else 1.0)  # two steps: one at the full LR, then the floor
+    assert summary["steps"] == max_steps and summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR
+    assert rows[0]["lr_frac"] == (FLOOR if max_steps == 1 else 1.0)  # two steps: one at the full LR, then the floor
 
 
 @pytest.mark.slow

@@ -53,9 +53,10 @@ def ns_inputs():
     yield spectrum_matrix((3, 40, 40), 100, g) * 1e-3
 
 
+@pytest.mark.parametrize("coeffs", ["quintic", "polar_express"])
 @pytest.mark.parametrize("G", list(ns_inputs()), ids=lambda G: "x".join(map(str, G.shape)))
-def test_newtonschulz_singular_values_in_band_with_same_singular_vectors(G):
-    ortho = zeropower_via_newtonschulz(G, steps=5)
+def test_newtonschulz_singular_values_in_band_with_same_singular_vectors(G, coeffs):
+    ortho = zeropower_via_newtonschulz(G, steps=5, coeffs=coeffs)
     assert ortho.shape == G.shape and ortho.dtype == torch.float32
     s = torch.linalg.svdvals(ortho)
     assert BAND[0] <= s.min().item() and s.max().item() <= BAND[1], (s.min().item(), s.max().item())
@@ -64,6 +65,19 @@ def test_newtonschulz_singular_values_in_band_with_same_singular_vectors(G):
     GtO = G.mT @ ortho if G.size(-2) >= G.size(-1) else G @ ortho.mT
     torch.testing.assert_close(GtO, GtO.mT, rtol=1e-3, atol=1e-3 * GtO.abs().max().item())
     assert torch.linalg.eigvalsh(0.5 * (GtO + GtO.mT)).min() > -1e-3 * GtO.abs().max()
+
+
+def test_polar_express_lands_closer_to_the_polar_factor_than_the_quintic():
+    """Per-iteration minimax polynomials: after 5 iterations on a well-conditioned matrix the singular values sit
+    near 1 (the quintic's oscillate in [0.7, 1.2]); bench/ns_error.py measures this on real gradients."""
+    G = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    error = {c: (zeropower_via_newtonschulz(G, 5, c) - U @ Vh).norm().item() for c in muon.NS_COEFFS}
+    assert error["polar_express"] < 0.5 * error["quintic"], error
+    s = torch.linalg.svdvals(zeropower_via_newtonschulz(G, 5, "polar_express"))
+    assert 0.85 < s.min().item() and s.max().item() < 1.15, (s.min().item(), s.max().item())
+    with pytest.raises(ValueError, match="ns_coeffs"):
+        Muon([nn.Parameter(torch.ones(2, 2))], ns_coeffs="cubic")
 
 
 def test_newtonschulz_batch_matches_one_by_one():
@@ -120,9 +134,9 @@ def gloo_worker(rank, world_size, port, cases):
         torch.set_num_threads(1)
         orthogonalised = []  # how many parameters this rank ran Newton-Schulz on
 
-        def counting_newtonschulz(G, steps):
+        def counting_newtonschulz(G, steps, coeffs="quintic"):
             orthogonalised.append(len(G))  # Muon stacks whole parameters along a new first dim
-            return zeropower_via_newtonschulz(G, steps)
+            return zeropower_via_newtonschulz(G, steps, coeffs)
 
         muon.zeropower_via_newtonschulz = counting_newtonschulz  # a spawned process: patches only itself
         for n_matrices, (after_1, after_5) in cases:
@@ -192,6 +206,36 @@ def test_first_step_is_scaled_orthogonalised_gradient_with_decoupled_decay(shape
     expected = p0 * (1 - 0.1 * 0.5) - 0.1 * scale * zeropower_via_newtonschulz(0.1 * p.grad)
     torch.testing.assert_close(p.detach(), expected)
     assert opt.param_groups[0]["base_lr"] == 1.0
+
+
+def test_cautious_decay_only_where_the_update_and_the_weight_agree_in_sign():
+    g = torch.Generator().manual_seed(3)
+    p = nn.Parameter(torch.randn(16, 8, generator=g))
+    p0 = p.detach().clone()
+    opt = Muon([p], lr=0.1, momentum=0.0, nesterov=False, weight_decay=1.2, cautious=True)
+    p.grad = torch.randn(16, 8, generator=g)
+    opt.step()
+    update = zeropower_via_newtonschulz(p.grad)  # momentum 0: the gradient itself
+    mask = (update * p0 > 0).float()
+    assert 0.2 < mask.mean().item() < 0.8  # both kinds of entries are present
+    expected = p0 - 0.1 * 1.2 * mask * p0 - 0.1 * math.sqrt(16 / 8) * update
+    torch.testing.assert_close(p.detach(), expected)
+
+
+def test_cautious_adamw_decays_only_where_its_update_and_the_weight_agree_in_sign():
+    g = torch.Generator().manual_seed(4)
+    w0, grad = torch.randn(32, 4, generator=g), torch.randn(32, 4, generator=g)
+    plain, cautious = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    opts = [
+        torch.optim.AdamW([plain], lr=0.1, weight_decay=0.0),
+        muon.CautiousAdamW([dict(params=[cautious], cautious_wd=0.5)], lr=0.1, weight_decay=0.0, fused=True),
+    ]
+    for p, opt in zip((plain, cautious), opts):
+        p.grad = grad.clone()
+        opt.step()
+    mask = (opts[1].state[cautious]["exp_avg"] * plain.detach() > 0).float()
+    assert 0.2 < mask.mean().item() < 0.8
+    torch.testing.assert_close(cautious.detach(), plain.detach() * (1 - 0.1 * 0.5 * mask))
 
 
 def test_muon_rejects_vectors():
@@ -320,7 +364,9 @@ def test_build_optimizers_split_rule():
         muon_momentum=0.9,
         adam_betas=(0.8, 0.95),
         adam_eps=1e-10,
-        weight_decay=0.1,
+        muon_weight_decay=1.2,
+        adam_weight_decay=0.005,
+        ns_coeffs="polar_express",
     )
     assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     groups = {g["name"]: g for opt in (muon, adamw) for g in opt.param_groups}
@@ -332,8 +378,11 @@ def test_build_optimizers_split_rule():
         "head": ["lm_head.weight"],
         "scalar": ["fc.bias", "gate", "norm.bias", "norm.weight"],
     }
-    expected = {"muon": (0.02, 0.1), "embed": (0.6, 0.1), "head": (0.008, 0.1), "scalar": (0.04, 0.0)}
-    assert {n: (g["lr"], g["weight_decay"]) for n, g in groups.items()} == expected
+    expected = {"muon": (0.02, 1.2), "embed": (0.6, 0.005), "head": (0.008, 0.005), "scalar": (0.04, 0.0)}
+    decay = {n: g["weight_decay"] if n == "muon" else g["cautious_wd"] for n, g in groups.items()}
+    assert {n: (g["lr"], decay[n]) for n, g in groups.items()} == expected
+    assert groups["muon"]["cautious"] and groups["muon"]["ns_coeffs"] == "polar_express"
+    assert all(g["weight_decay"] == 0.0 for g in adamw.param_groups)  # torch's plain decay stays off
     assert all(g["base_lr"] == g["lr"] for g in groups.values())
     assert groups["muon"]["momentum"] == 0.9
     assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-10 for g in adamw.param_groups)
