@@ -28,6 +28,7 @@ SECTIONS = {
     "clock": "the loop's clock: when to sync, each step's progress and accumulation, when to stop",
     "rollback": "a loss that blows up: snapshots, the divergence test, the restore with lower LRs",
     "plan": "the run plan before the clock: shape, tokens per step, micro-batch, forecast steps",
+    "config": "the hyperparameters: one dataclass, its flags (the organizers' names verbatim), their checks",
     "windows": "the token-file format and the training windows read from it",
     "shards": "which blocks of the data each rank reads, epoch by epoch",
     "synthetic": "the built-in synthetic data (a Markov chain whose best loss is known)",

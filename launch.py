@@ -51,7 +51,7 @@ from ranks import (
 class Run:
     """Everything the loop reads, built and checked before the clock."""
 
-    hp: object  # train.Hyperparameters, resolved: no "auto" left (None where the plan decided)
+    hp: object  # config.Hyperparameters, resolved: no "auto" left (None where the plan decided)
     plan: RunPlan
     budget_s: float  # the plan's; the clock's is agreed from `deadline` right before it starts
     deadline: float  # unix seconds by which training ends (inf outside SLURM), the same on every rank

@@ -29,7 +29,7 @@ import time
 
 from data import find_token_files, sample_slices
 from shards import BLOCK_WINDOWS, STAGED_MANIFEST, block_layout, staged_blocks
-from train import check_flags, parse_args
+from config import check_flags, parse_args
 
 COPY_BYTES = 1 << 26  # one read and write at most; ranges are block-sized (131 KB at the event) or merged ones
 

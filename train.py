@@ -12,275 +12,32 @@ at the last step, which is re-planned from the measured step time at every host 
 warmup, stable and decay all happen and the last step runs at the floor LR.
 """
 
-import argparse
 import ctypes
 import dataclasses
 import gc
 import json
 import math
-import operator
 import os
 import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from model import GPTConfig
+from config import check_flags, overridden_flags, parse_args
 from checkpoint import CheckpointError
 from clock import Clock
 from rollback import Guard
-from plan import AUTO_EFFICIENCY, MIN_TOKENS_PER_STEP, TOKENS_PER_PARAM, shape_config
+from plan import MIN_TOKENS_PER_STEP
 from windows import DataChanged
 from launch import agreed_budget, build_plan, launch, resolve
 from ranks import fail
 from streams import guard_log_streams
 from report import Logger, human_summary, summary_row
-
-
-def flag(default, help, kind=None, choices=None, at_least=None, above=None, below=None, at_most=None):
-    """A hyperparameter, its --help line and the values it may take (check_flags): choices, or a finite number within
-    the bounds given. kind converts a flag whose default is "auto"."""
-    bounds = {"at least": at_least, "above": above, "below": below, "at most": at_most}
-    meta = {
-        "help": help,
-        "kind": kind,
-        "choices": choices,
-        "bounds": {k: v for k, v in bounds.items() if v is not None},
-    }
-    return field(default=default, metadata=meta)
-
-
-POSITIVE = {"at_least": 1}  # counts: sequences, steps, layers
-FRACTION = {"at_least": 0.0, "at_most": 1.0}
-LR = {"at_least": 0.0}  # finite; huge ones stay allowed: a diverging run is an experiment (tests make one)
-
-
-@dataclass(frozen=True)
-class Hyperparameters:
-    """The flags. As parsed, a flag not given holds "auto"; launch.resolve() returns them with every "auto" made
-    concrete in the annotated type (None: the plan decides), once, for the run and for --dry_run alike."""
-
-    # --- the organizers' flag names, kept verbatim ---
-    data_dir: str | None = flag("auto", "chunk_*.bin token folder; auto: /home/data if present, else synthetic data")
-    checkpoint_path: str = flag("checkpoint.pt", "written at start, every --save_every_min, on SIGTERM and at the end")
-    seq_len: int = flag(1024, "training window in tokens", **POSITIVE)
-    vocab_size: int = flag(
-        "auto", "auto: 32000 for token files, 1024 for the synthetic data", int, at_least=2, at_most=65536
-    )
-    n_layer: int | None = flag(
-        "auto", "shape flag; auto: from --model (given shape flags win, see --shape_flags)", int, **POSITIVE
-    )
-    n_head: int | None = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
-    n_embd: int | None = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
-    batch_size: int = flag(8, "the floor of the micro-batch (sequences per device per forward)", **POSITIVE)
-    grad_accum_steps: int | None = flag(
-        "auto", "derived by the plan from tokens per step; a given value is ignored", int, **POSITIVE
-    )
-    max_steps: int = flag(1_000_000, "never exceeded; tokens per step grow so the budget fits in 90% of it", **POSITIVE)
-    time_limit_min: float = flag(10.0, "the training budget in minutes, from the first forward pass", above=0.0)
-    # --- the run plan (plan.py) ---
-    model: str = flag("auto", "a plan.LADDER name; auto: the largest trained --tokens_per_param tokens per param")
-    shape_flags: str = flag(
-        "win", "win: --n_layer/--n_head/--n_embd override --model; ignore: --model decides", choices=("win", "ignore")
-    )
-    tokens_per_param: float = flag(
-        "auto", f"what --model auto wants; auto: per device {TOKENS_PER_PARAM}", float, above=0.0
-    )
-    auto_efficiency: float = flag(
-        "auto", f"step speed / matmul rate; auto: per device {AUTO_EFFICIENCY}", float, above=0.0, at_most=1.0
-    )
-    batch_tokens: int | None = flag(
-        "auto", "global tokens per step; auto: the recipe's minimum, or more (--max_steps)", int, **POSITIVE
-    )
-    micro_batch: int | None = flag(
-        "auto", "sequences per device per forward; auto: as many as memory allows", int, **POSITIVE
-    )
-    ramp_frac: float = flag(
-        0.0,
-        "when --max_steps forces more tokens per step than the recipe's: start at the recipe's and grow them linearly "
-        "over this fraction of the budget (all steps still fit in the cap); 0: the forced batch throughout",
-        at_least=0.0,
-        below=1.0,
-    )
-    dry_run: bool = flag(False, "print the plan and exit before any forward pass")
-    world_size: int = flag("auto", "with --dry_run: plan for this many devices; auto: this launch's", int, **POSITIVE)
-    peak_tflops: float | None = flag(
-        "auto", "bf16 peak per device, for MFU (and the rate a dry run plans with)", float, above=0.0
-    )
-    device_memory_gib: float | None = flag(
-        "auto", "per-device memory to plan with; auto: this device's", float, above=0.0
-    )
-    # --- data and evaluation ---
-    metrics_path: str = flag("auto", "JSON-lines metrics; auto: metrics.jsonl beside the checkpoint")
-    val_file: str | None = flag("auto", "validation token file; auto: the last --val_tokens of the last data file")
-    val_tokens: int = flag(
-        1_048_576, "size of the held-out validation range (the same tokens on every run)", at_least=0, at_most=1 << 27
-    )
-    val_eval_tokens: int = flag("auto", "validation tokens scored; auto: all on CUDA, 65536 on CPU", int, **POSITIVE)
-    val_every_min: float = flag(
-        0.0, "periodic validation until the decay, planned into the budget; 0: final only", at_least=0.0
-    )
-    save_every_min: float = flag(2.5, "background checkpoint cadence; 0: only at start and end", at_least=0.0)
-    doc_aligned: bool = flag(False, "start every window at a BOS token (needs BOS-marked data)")
-    # --- schedule and optimizer ---
-    schedule: str = flag(
-        "wsd", "wsd (warmup, stable, linear decay) or cosine (the starter's, for baselines)", choices=("wsd", "cosine")
-    )
-    progress_by: str = flag(
-        "clock", "clock: elapsed / budget; steps: step / max_steps (the starter's way)", choices=("clock", "steps")
-    )
-    warmup_frac: float = flag(0.0, "fraction of the run in linear LR warmup (Muon needs none)", at_least=0.0, below=1.0)
-    # cooldown 0.7: mnGPT medium track (16 x 1024), "longer cooldown" -30 s. Here (BENCHMARKS.md, optimizer settings):
-    # vs 0.4 +0.041 at 40 CPU steps (worse on 3/3 seeds, within their 0.11 spread): the record decides; gpu_ab re-tests
-    decay_frac: float = flag(
-        0.7, "WSD: fraction of the run in the final linear decay (0.7: the 16 x 1024 record's)", above=0.0, at_most=1.0
-    )
-    # floor 0.15: mnGPT short track (train_gpt.py), -1.2 s. Here: vs 0 -0.017 (2 seeds, a tie); the record decides
-    min_lr_frac: float = flag(
-        0.15,
-        "the LR floor the decay ends at, as a fraction of each group's LR (0.15: the short-track record's)",
-        **FRACTION,
-    )
-    optimizer: str = flag(
-        "muon", "muon: Muon for hidden matrices + AdamW; adamw: AdamW for everything", choices=("muon", "adamw")
-    )
-    # 0.025: mnGPT short track's 0.05 (width 768, ~0.5M tokens) halved. Here at l4w128: 0.025 vs 0.05 -0.041 to -0.055
-    # on 3/3 seeds; 0.0125 ties 0.025; widths 128 and 256 both prefer x0.5 (no move), 64 x2 (BENCHMARKS.md, optimizer)
-    muon_lr: float = flag(
-        0.025, "Muon LR of the hidden matrices (the CPU's best at widths 128-256, BENCHMARKS.md)", **LR
-    )
-    adamw_lr: float = flag(3e-3, "AdamW LR of the hidden matrices with --optimizer adamw", **LR)
-    # 0.6: mnGPT short track. Here: x0.5 -0.025, x2 +0.047 at width 64 (one seed, ties); kept
-    embed_lr: float = flag(0.6, "AdamW LR of the embedding tables", **LR)
-    head_lr: float = flag(0.008, "AdamW LR of the output head (and of a tied embedding)", **LR)
-    scalar_lr: float = flag(0.04, "AdamW LR of gains and scalars", **LR)
-    # sqrt: Malladi et al. 2022 (arXiv:2205.10287); mnGPT short track scales every group with its batch. Here at 4x the
-    # batch: none +0.30-0.39 (beyond noise), sqrt_adam +0.016 (2 seeds, a tie); BENCHMARKS.md, step cap and optimizer
-    lr_rule: str = flag(
-        "sqrt",
-        "sqrt: every LR x sqrt(tokens per step / the recipe's minimum) when the batch is larger (BENCHMARKS.md, "
-        "the step cap); sqrt_adam: the AdamW groups' only, Muon's as given; none: the LRs as given",
-        choices=("none", "sqrt", "sqrt_adam"),
-    )
-    # 1.2 x LR, cautious: mnGPT medium track (16 x 1024), weight decay -72 s. Here: -0.017 (2 seeds, a tie); adopted
-    muon_weight_decay: float = flag(
-        1.2, "Muon's weight decay, times the LR, cautious (only where update and weight agree in sign)", **LR
-    )
-    # 0.005 x LR, cautious: mnGPT medium track's Adam groups. Here: measured with Muon's 1.2 (above)
-    adam_weight_decay: float = flag(0.005, "the same on the AdamW embedding, head and hidden tables", **LR)
-    # Polar Express: Amsel et al. 2025 (arXiv:2505.16932); mnGPT "tuned Newton-Schulz coefficients" -24 s. Here: +0.023
-    # (2 seeds, a tie); 5 iterations on real gradients: error 0.29 vs the quintic's 0.40 (bench/ns_error.py); adopted
-    ns_coeffs: str = flag(
-        "polar_express",
-        "Newton-Schulz polynomials: quintic (one fixed, Keller Jordan's) or polar_express (one per iteration, "
-        "Amsel et al. 2025)",
-        choices=("quintic", "polar_express"),
-    )
-    muon_momentum_start: float = flag(
-        0.85, "Muon momentum at the start (early gradients are noisy)", at_least=0.0, below=1.0
-    )
-    muon_momentum: float = flag(0.95, "Muon momentum after --momentum_warmup_frac", at_least=0.0, below=1.0)
-    momentum_warmup_frac: float = flag(0.15, "fraction of the run over which Muon momentum warms up", **FRACTION)
-    # --- device and runtime ---
-    device: str = flag("auto", "auto (CUDA if present), cpu or cuda", choices=("auto", "cpu", "cuda"))
-    compile: bool = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
-    autocast: str = flag("auto", "bf16 or none; auto: bf16 on CUDA, none on CPU", choices=("auto", "bf16", "none"))
-    grad_reduce: str = flag(
-        "bf16", "dtype of the gradient all-reduce across ranks: bf16 (half the bytes) or fp32", choices=("bf16", "fp32")
-    )
-    collective_timeout_min: float = flag(  # below seconds, the process-group set-up itself times out
-        5.0, "a rank silent this long in a collective ends the job (> compile skew)", at_least=0.05
-    )
-    slurm_reserve_s: float = flag(
-        60.0, "under SLURM, seconds kept after training for the final save and exit", at_least=0.0
-    )
-    on_recompile: str = flag(
-        "eager",
-        "after step 0, a compiled graph whose guards miss: eager (run it eagerly, counted as eager_runs in the "
-        "summary) or fail (an error: bench/gpu_check.sh proves that none happens)",
-        choices=("eager", "fail"),
-    )
-    seed: int = flag(0, "seed of the weights and of the data order", at_least=0, below=2**32)
-    log_every_s: float = flag(
-        1.0, "host-sync cadence: clock check, loss read, stop decision, metrics row", at_least=0.0
-    )
-
-
-def parse_args(argv=None):
-    """(Hyperparameters, model.py switches given, unknown flags). Flags come from the dataclass, plus one per
-    model.py switch (default: model.py's own)."""
-    # no prefix matching: an unknown --warmup must be ignored, not read as --warmup_frac
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
-    )
-    for f in dataclasses.fields(Hyperparameters):
-        kind, help_text = (
-            f.metadata["kind"] or (f.type if f.type in (int, float, bool) else str),
-            f"{f.metadata['help']} (default: {f.default})".replace("%", "%%"),
-        )
-        if kind is bool:
-            parser.add_argument(f"--{f.name}", default=f.default, action=argparse.BooleanOptionalAction, help=help_text)
-            continue
-        convert = (lambda k: lambda s: s if s == "auto" else k(s))(kind) if f.default == "auto" else kind
-        parser.add_argument(f"--{f.name}", type=convert, default=f.default, help=help_text)
-    ours = {f.name for f in dataclasses.fields(Hyperparameters)}
-    switches = [f for f in dataclasses.fields(GPTConfig) if f.name not in ours]
-    for f in switches:
-        kind = {bool: None}.get(f.type, f.type)
-        extra = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": kind}
-        parser.add_argument(f"--{f.name}", default=None, help=f"model.py switch (default: {f.default})", **extra)
-    args, unknown = parser.parse_known_args(argv)
-    args = vars(args)
-    model_switches = {f.name: value for f in switches if (value := args.pop(f.name)) is not None}
-    return Hyperparameters(**args), model_switches, unknown
-
-
-BOUND_TESTS = {"at least": operator.ge, "above": operator.gt, "below": operator.lt, "at most": operator.le}
-
-
-def check_flags(hp):
-    """Flag values a user can get wrong, as one sentence each; the same on every rank, so no collective."""
-    for f in dataclasses.fields(hp):
-        value, choices, bounds = getattr(hp, f.name), f.metadata["choices"], f.metadata["bounds"]
-        if choices and value not in choices:
-            raise ValueError(f"--{f.name} must be one of {', '.join(choices)}, got {value!r}")
-        if not bounds or value == "auto":
-            continue
-        if not math.isfinite(value):
-            raise ValueError(f"--{f.name} must be a finite number, got {value}")
-        for words, bound in bounds.items():
-            if not BOUND_TESTS[words](value, bound):
-                raise ValueError(f"--{f.name} must be {words} {bound}, got {value}")
-    if hp.schedule == "wsd" and hp.warmup_frac + hp.decay_frac > 1.0:
-        raise ValueError(
-            f"--warmup_frac {hp.warmup_frac} leaves no room for the decay: with wsd it must be at most 1 - --decay_frac"
-        )
-    if hp.model != "auto":  # checked even when the shape flags override it: a typo is said, not hidden
-        shape_config(hp.model)
-    if hp.device == "cuda" and not torch.cuda.is_available() and not hp.dry_run:
-        raise ValueError("--device cuda was given but no CUDA device is visible")
-
-
-def overridden_flags(hp):
-    """A sentence for each flag given that other flags leave unused: said before the clock, never silently dropped."""
-    given = {f.name for f in dataclasses.fields(hp) if getattr(hp, f.name) != f.default}
-    shape = sorted({"n_layer", "n_head", "n_embd"} & given)
-    unused = {  # flag: why it is unused (when it is)
-        "model": shape and hp.shape_flags == "win" and f"the shape flags ({', '.join(shape)}) decide the shape",
-        "tokens_per_param": (shape and hp.shape_flags == "win" or hp.model != "auto") and "no --model auto to guide",
-        "adamw_lr": hp.optimizer == "muon" and "--optimizer muon trains the hidden matrices with --muon_lr",
-        **dict.fromkeys(
-            ("muon_lr", "muon_momentum", "muon_momentum_start", "momentum_warmup_frac"),
-            hp.optimizer == "adamw" and "--optimizer adamw uses no Muon",
-        ),
-        "world_size": not hp.dry_run and "it plans for another machine with --dry_run only; this launch's ranks train",
-    }
-    return [f"--{name} {getattr(hp, name)} is not used: {why}" for name, why in unused.items() if name in given and why]
 
 
 # ----------------------------------------------------------------------------- schedule

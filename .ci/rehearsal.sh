@@ -28,7 +28,7 @@ tr '\r' '\n' <"$WORK/train.log" | grep -v "s/s\]" | grep -v '^\s*$' | tail -n 8 
 python3 eval.py checkpoint.pt --data "$WORK/data" --max_tokens "$VAL_TOKENS" --device cpu >"$WORK/eval.log"
 tail -n 2 "$WORK/eval.log" | head -n 1
 
-FLOOR=$(cd "$REPO" && python3 -c "import train; print(train.Hyperparameters().min_lr_frac)")
+FLOOR=$(cd "$REPO" && python3 -c "import config; print(config.Hyperparameters().min_lr_frac)")
 python3 - "$WORK/submission/metrics.jsonl" "$WORK/eval.log" "$FLOOR" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

@@ -13,10 +13,10 @@ import torch
 
 from synthetic import write_synthetic
 import plan
-import train
+import config
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOOR = train.Hyperparameters().min_lr_frac  # the LR fraction of every run's last step (--min_lr_frac)
+FLOOR = config.Hyperparameters().min_lr_frac  # the LR fraction of every run's last step (--min_lr_frac)
 
 VOCAB = 1024  # the synthetic chain's ids stay below this
 # the scored event's plan inputs: 32 B300 ranks, 10 minutes, the organizers' --max_steps 5000 and --seq_len 1024

@@ -46,7 +46,7 @@ def test_every_speedrun_variant_parses_in_train():
     """Each variant's flags must be real train.py flags: an unknown one would be ignored and the ablation void."""
     sys.path.insert(0, str(REPO / "bench"))
     import speedrun
-    from train import parse_args
+    from config import parse_args
 
     for name, flags in {**speedrun.VARIANTS, **speedrun.CALIBRATION}.items():
         _, _, unknown = parse_args([*speedrun.SHAPE, *flags.split()])
@@ -65,7 +65,7 @@ def test_every_lr_sweep_and_gpu_ab_variant_parses_in_train():
 
     sys.path.insert(0, str(REPO / "bench"))
     import lr_sweep
-    from train import check_flags, parse_args
+    from config import check_flags, parse_args
 
     args = argparse.Namespace(seeds=3, first_seed=0, chosen="--muon_lr 0.025")
     runs = [flags for sweep in lr_sweep.sweeps(args).values() for flags, _ in sweep.values()]

@@ -83,12 +83,12 @@ CASES = {
 
 @pytest.mark.parametrize("case", FLAG_CASES.values(), ids=FLAG_CASES.keys())
 def test_flag_errors_are_one_sentence_naming_the_flag(tmp_path, token_dir, case):
-    import train
+    import config
 
     args, flag = case(tmp_path, token_dir)
-    hp, _, _ = train.parse_args(args)
+    hp, _, _ = config.parse_args(args)
     with pytest.raises(ValueError) as error:
-        train.check_flags(hp)
+        config.check_flags(hp)
     assert flag in str(error.value) and "\n" not in str(error.value)
 
 
@@ -430,9 +430,9 @@ def test_a_stop_inside_a_long_accumulation_is_honoured_between_micro_steps(tmp_p
 def outputs_hp(tmp_path, token_dir):
     """Hyperparameters resolved as a run on token_dir writing into tmp_path would have them."""
     import launch
-    import train
+    import config
 
-    hp, _, _ = train.parse_args(["--data_dir", str(token_dir), "--checkpoint_path", str(tmp_path / "ck.pt")])
+    hp, _, _ = config.parse_args(["--data_dir", str(token_dir), "--checkpoint_path", str(tmp_path / "ck.pt")])
     return launch.resolve(hp, 1)
 
 
@@ -525,11 +525,11 @@ FLAG_CASES = [
 
 @pytest.mark.parametrize("argv", FLAG_CASES, ids=" ".join)
 def test_every_numeric_flag_has_a_range_checked_before_anything_runs(argv):
-    import train
+    import config
 
-    hp, _, _ = train.parse_args(argv)
+    hp, _, _ = config.parse_args(argv)
     with pytest.raises(ValueError, match=argv[0]):
-        train.check_flags(hp)
+        config.check_flags(hp)
 
 
 def test_model_switches_out_of_range_are_one_sentence():

@@ -281,11 +281,11 @@ def hp_on(tmp_path, token_dir):
     import shutil
 
     import launch
-    import train
+    import config
 
     data = tmp_path / "data"
     shutil.copytree(token_dir, data)
-    hp, _, _ = train.parse_args(["--data_dir", str(data), "--checkpoint_path", str(tmp_path / "ck.pt")])
+    hp, _, _ = config.parse_args(["--data_dir", str(data), "--checkpoint_path", str(tmp_path / "ck.pt")])
     return launch.resolve(hp, 1), data
 
 
@@ -665,12 +665,12 @@ def test_a_micro_batch_that_raises_the_tokens_per_step_says_so(event_plan):
     import dataclasses
 
     import launch
-    import train
+    import config
 
     lines = 0
     for overrides in ({"micro_batch": 48}, {"micro_batch": 48, "batch_tokens": 524288}, {"micro_batch": 16}, {}):
         plan, _ = event_plan(**overrides)
-        hp, _, _ = train.parse_args(["--dry_run", "--peak_tflops", "2250", "--device_memory_gib", "288"])
+        hp, _, _ = config.parse_args(["--dry_run", "--peak_tflops", "2250", "--device_memory_gib", "288"])
         hp = dataclasses.replace(launch.resolve(hp, 1), **overrides)
         said = []
         launch.check_plan(plan, hp, 288 * 2**30, 600.0, said.append)

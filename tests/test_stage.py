@@ -10,7 +10,7 @@ import stage
 from data import BatchLoader, check_token_files, find_token_files, load_token_data
 from shards import BLOCK_WINDOWS, STAGED_MANIFEST, Deal, block_layout, staged_blocks
 from conftest import epoch0_windows, full_windows
-from train import parse_args
+from config import parse_args
 from windows import WindowSpec
 
 torch.set_num_threads(1)

@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+import config
 from conftest import ROOT, TINY, TRAIN, child_env, read_metrics
 
 # ----------------------------------------------------------------------------- torchrun as pid 1
@@ -242,18 +243,18 @@ def test_a_checkpoint_name_at_the_file_system_limit_saves_and_one_past_it_is_one
 def test_a_flag_other_flags_override_is_checked_and_said(capsys):
     import train
 
-    hp, _, _ = train.parse_args(["--model", "l4w12", "--n_layer", "2"])  # a typo the shape flags would hide
+    hp, _, _ = config.parse_args(["--model", "l4w12", "--n_layer", "2"])  # a typo the shape flags would hide
     with pytest.raises(ValueError, match="--model must be 'auto' or one of"):
-        train.check_flags(hp)
+        config.check_flags(hp)
     for argv, words in [
         (["--model", "l4w128", "--n_layer", "2"], "--model l4w128 is not used: the shape flags (n_layer)"),
         (["--optimizer", "adamw", "--muon_lr", "0.1"], "--muon_lr 0.1 is not used: --optimizer adamw"),
         (["--adamw_lr", "0.01"], "--adamw_lr 0.01 is not used"),
         (["--world_size", "32"], "--world_size 32 is not used"),
     ]:
-        hp, _, _ = train.parse_args(argv)
-        train.check_flags(hp)
-        assert [words in s for s in train.overridden_flags(hp)] == [True], argv
-    assert train.overridden_flags(train.parse_args(["--world_size", "32", "--dry_run"])[0]) == []
+        hp, _, _ = config.parse_args(argv)
+        config.check_flags(hp)
+        assert [words in s for s in config.overridden_flags(hp)] == [True], argv
+    assert config.overridden_flags(config.parse_args(["--world_size", "32", "--dry_run"])[0]) == []
     train.main(["--dry_run", "--world_size", "2", "--model", "l2w64", "--n_layer", "2", "--device", "cpu"])
     assert "warning: --model l2w64 is not used" in capsys.readouterr().out

@@ -25,6 +25,7 @@ from shards import BLOCK_WINDOWS, Deal  # noqa: E402
 from synthetic import synthetic_entropy_nats, synthetic_tokens  # noqa: E402
 from windows import WindowSpec  # noqa: E402
 import clock  # noqa: E402
+import config  # noqa: E402
 import plan  # noqa: E402
 import train  # noqa: E402
 from eval import load_checkpoint  # noqa: E402  (the organizers' snippet, verbatim)
@@ -243,16 +244,16 @@ def test_unknown_flags_are_reported_and_ignored(max_steps_run):
 def test_unknown_flags_that_prefix_known_ones_are_ignored_too():
     # argparse expands unambiguous prefixes by default: --warmup 100 would silently become --warmup_frac 100,
     # and --batch 4 (batch_size or batch_tokens?) would exit with a usage error
-    parsed = train.parse_args(["--warmup", "100", "--save_every", "500", "--batch", "4", "--seq_len", "64"])
-    assert parsed[0] == train.Hyperparameters(seq_len=64)  # (hyperparameters, ..., unknown flags)
+    parsed = config.parse_args(["--warmup", "100", "--save_every", "500", "--batch", "4", "--seq_len", "64"])
+    assert parsed[0] == config.Hyperparameters(seq_len=64)  # (hyperparameters, ..., unknown flags)
     assert parsed[-1] == ["--warmup", "100", "--save_every", "500", "--batch", "4"]
 
 
 def test_every_flag_has_help_text_saying_what_its_default_means(capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
+        config.parse_args(["--help"])
     parser_help = capsys.readouterr().out
-    for f in dataclasses.fields(train.Hyperparameters):
+    for f in dataclasses.fields(config.Hyperparameters):
         assert f.metadata["help"].strip(), f.name
         assert f"--{f.name}" in parser_help
     assert "auto: 32000 for token files" in " ".join(parser_help.split())  # argparse wraps lines
@@ -631,7 +632,7 @@ def test_a_compiler_that_fails_at_the_first_step_is_said_once_and_the_run_goes_o
 
 
 def test_schedule_warmup_stable_decay_floor_and_momentum_warmup():
-    hp = train.Hyperparameters(
+    hp = config.Hyperparameters(
         warmup_frac=0.1,
         decay_frac=0.4,
         min_lr_frac=0.1,
@@ -655,14 +656,14 @@ def test_schedule_warmup_stable_decay_floor_and_momentum_warmup():
     assert momentum(0.0) == pytest.approx(0.85) and momentum(0.1) == pytest.approx(0.90)
     assert momentum(0.2) == momentum(0.9) == pytest.approx(0.95)
 
-    default = train.Hyperparameters()  # no warmup, decay over the last decay_frac to the floor
+    default = config.Hyperparameters()  # no warmup, decay over the last decay_frac to the floor
     stable_end = 1.0 - default.decay_frac
     assert train.schedule(0.0, default)[0] == train.schedule(stable_end - 0.01, default)[0] == 1.0
     assert train.schedule(1.0, default)[0] == default.min_lr_frac
 
 
 def test_cosine_schedule_and_warmup_reach_the_floor():
-    hp = train.Hyperparameters(schedule="cosine", warmup_frac=0.2, min_lr_frac=0.1)
+    hp = config.Hyperparameters(schedule="cosine", warmup_frac=0.2, min_lr_frac=0.1)
 
     def lr(p):
         return train.schedule(p, hp)[0]
@@ -688,7 +689,7 @@ def test_progress_by_steps_is_blind_to_the_clock(tmp_path, token_dir):
     ]
     run_train(args, tmp_path)
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    hp = train.Hyperparameters(schedule="cosine")
+    hp = config.Hyperparameters(schedule="cosine")
     assert summary["steps"] == 12 and summary["final_lr_frac"] == pytest.approx(train.schedule(1.0, hp)[0])
     for r in rows:  # the LR of step s is the cosine at s / max_steps, whatever the clock says
         assert r["lr_frac"] == pytest.approx(train.schedule(r["step"] / 12, hp)[0])
@@ -714,12 +715,12 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def test_the_sqrt_lr_rule_scales_only_a_batch_above_the_recipes():
-    hp = train.Hyperparameters()
+    hp = config.Hyperparameters()
     minimum = plan.MIN_TOKENS_PER_STEP["cuda"]
     assert hp.lr_rule == "sqrt"  # the default: BENCHMARKS.md, the recipe under the organizers' step cap
     assert train.batch_lr_scale(minimum, hp, "cuda") == 1.0 == train.batch_lr_scale(minimum // 2, hp, "cuda")
     assert train.batch_lr_scale(4 * minimum, hp, "cuda") == 2.0
-    assert train.batch_lr_scale(4 * minimum, train.Hyperparameters(lr_rule="none"), "cuda") == 1.0
+    assert train.batch_lr_scale(4 * minimum, config.Hyperparameters(lr_rule="none"), "cuda") == 1.0
 
 
 @pytest.mark.slow
@@ -740,7 +741,7 @@ def test_a_cold_compile_of_over_a_third_of_the_budget_still_runs_the_whole_sched
     rows, _, summary = runs["cold"]
     assert summary["compile_s"] > summary["budget_s"] / 3, summary  # the case item 1 is about
     start, budget = summary["compile_s"], summary["budget_s"]
-    stable_share = 1 - train.Hyperparameters().decay_frac - 0.05  # the default schedule's stable phase, less a margin
+    stable_share = 1 - config.Hyperparameters().decay_frac - 0.05  # the default schedule's stable phase, less a margin
     stable = [r for r in rows if r["step"] >= 1 and r["elapsed_s"] < start + stable_share * (budget - start)]
     assert len(stable) > 5 and all(r["lr_frac"] == 1.0 for r in stable), [r["lr_frac"] for r in stable]
     assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR and summary["stop_reason"] == "time_limit"
@@ -757,7 +758,7 @@ def test_the_loop_applies_each_rule_to_its_optimizers(rule, muon_scale):
     from model import get_model
     from muon import Muon, build_optimizers
 
-    hp = train.Hyperparameters(lr_rule=rule, muon_weight_decay=1.2, adam_weight_decay=0.005)
+    hp = config.Hyperparameters(lr_rule=rule, muon_weight_decay=1.2, adam_weight_decay=0.005)
     adam_scale = 1.0 if rule == "none" else 2.0
     models = []
     for decay in (1.2, 0.0):  # the same run with and without Muon's decay
