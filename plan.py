@@ -110,7 +110,7 @@ def _shape_costs(shape_items, vocab_size, seq_len):
         "params": model.num_params(),
         "block_params": sum(p.numel() for p in model.blocks.parameters()),
         "flops_per_token": model.flops_per_token(),
-        "n_tables": 1 + len(model.value_embeds),
+        "n_tables": 1 + len(model.value_embeds) + (model.bigram is not None),
     }
 
 

@@ -460,6 +460,7 @@ def optimizer_step(run, clock, state, amp):
     done, accum = clock.begin_step(state.step)
     step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * accum
     state.lr_frac, momentum = schedule(done, run.hp)
+    run.raw_model.set_progress(done)  # model.py's untie_at
     lr_scale = batch_lr_scale(step_tokens, run.hp, run.device.type)
     for opt in run.optimizers:
         for group in opt.param_groups:
