@@ -183,7 +183,7 @@ class GPTConfig:
     embed_norm: bool = True  # RMS-normalise the embedding so its scale is not a free knob
     # tying: Press & Wolf 2017, arXiv:1608.05859; mnGPT #8 untied them. Here: tied +0.003
     tie_embeddings: bool = False  # untied is better in speedruns; tied halves embedding params
-    # --- later short-track wins, all off until measured (issue 37). "Here": 200 steps x 2048 tokens at l4w128, 3 seeds
+    # --- later short-track wins (issue 37). "Here": 100 steps x 2,048 tokens at l4w128, the default minus this
     # (BENCHMARKS.md, "The current record's model"); "medium #N": the GPT-2 medium track's record table ---
     # bigram hash embedding: mnGPT #62 (2026-01-19, 7.5 x vocab rows; not in medium #18). Here: BENCHMARKS.md
     bigram_mult: float = 0.0  # a zero-init table of this x vocab_size rows, indexed by a hash of (previous, current)
@@ -212,7 +212,7 @@ def bigram_hash(idx, rows):
     return torch.cat([idx.new_full((idx.size(0), 1), rows - 1), pairs], dim=1)
 
 
-def gate(cfg, n_out, on):
+def gate_linear(cfg, n_out, on):
     """A zero-init (GATE_DIM -> n_out) linear map (sigmoid 0.5 at init), or None when its switch is off."""
     return nn.Linear(min(GATE_DIM, cfg.n_embd), n_out, bias=False) if on else None
 
@@ -285,8 +285,8 @@ class Attention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         # v = a*v + b*ve; half-and-half start lets either side take over
         self.ve_lambdas = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
-        self.attn_gate = gate(cfg, self.n_head, cfg.attn_gate)
-        self.ve_gate = gate(cfg, self.n_head, cfg.ve_gate and has_value_embed)
+        self.attn_gate = gate_linear(cfg, self.n_head, cfg.attn_gate)
+        self.ve_gate = gate_linear(cfg, self.n_head, cfg.ve_gate and has_value_embed)
 
     def forward(self, x, ve, rope):
         B, T, C = x.shape
@@ -367,7 +367,10 @@ class GPT(nn.Module):
         self.rotary = Rotary(C // cfg.n_head, cfg.rope_base) if cfg.pos == "rope" else None
         self.embed_norm = Norm(C, cfg.norm) if cfg.embed_norm else None
         self.bigram = nn.Embedding(max(2, int(cfg.bigram_mult * cfg.vocab_size)), C) if cfg.bigram_mult else None
-        self.smear_gate = gate(cfg, 1, cfg.smear)
+        # mnGPT injects it at 0.05 (learned): a row that Adam moved at the embedding LR after one hit would drown the
+        # normalised token embedding (measured: without the scale, +0.100 at seed 0 instead of a gain)
+        self.bigram_lambda = nn.Parameter(torch.tensor(0.05)) if cfg.bigram_mult else None
+        self.smear_gate = gate_linear(cfg, 1, cfg.smear)
         self.smear_lambda = nn.Parameter(torch.zeros(())) if cfg.smear else None
         # value embeddings: table k feeds layer k and layer L-n_ve+k (modded-nanogpt uses 3 tables)
         n_ve = min(3, L // 2) if cfg.value_embeds else 0
@@ -430,7 +433,7 @@ class GPT(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if self.bigram is not None:
-            x = x + self.bigram(bigram_hash(idx, self.bigram.num_embeddings))
+            x = x + self.bigram_lambda * self.bigram(bigram_hash(idx, self.bigram.num_embeddings))
         if self.smear_gate is not None:  # position t also sees t-1's embedding, through a gate read at t
             smear = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :GATE_DIM]))
             x = torch.cat([x[:, :1], x[:, 1:] + smear * x[:, :-1]], dim=1)

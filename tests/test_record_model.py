@@ -120,7 +120,7 @@ def test_each_switch_changes_the_computation_and_its_knobs_at_neutral_reproduce_
         else:  # the attention gate starts at sigmoid(0) = 0.5: each head's output halved
             assert not torch.allclose(neutral, ref, atol=1e-4)
         for name, p in on.named_parameters():  # every new knob moved: the output moves
-            if name.endswith(("gate.weight", "bigram.weight", "smear_lambda", "backout_lambda")):
+            if name.endswith(("gate.weight", "bigram.weight", "smear_lambda", "backout_lambda", "bigram_lambda")):
                 p.add_(0.5)
         if key != "untie_at":
             assert (on(idx)[0] - ref).abs().max() > 1e-3
