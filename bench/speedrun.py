@@ -85,7 +85,7 @@ RECORD_SWITCHES = {
     "ve_gate": "--ve_gate",
     "backout": "--backout",
     "untie": "--untie_at 0.667",
-    "adopted": "--bigram_mult 5 --backout",
+    "adopted": "--bigram_mult 5 --backout --ve_gate",
 }
 RECORD = {
     f"{name}_seed{seed}": f"{FIXED} {flags} --seed {seed}"

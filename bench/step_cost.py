@@ -20,7 +20,10 @@ sys.path.insert(0, str(REPO))
 from model import GPTConfig, get_model  # noqa: E402
 from muon import build_optimizers  # noqa: E402
 
-VARIANTS = "default;bigram_mult=5;smear=1;attn_gate=1;ve_gate=1;backout=1;untie_at=0.667;bigram_mult=5,backout=1"
+VARIANTS = ";".join(
+    ["default", "bigram_mult=5", "smear=1", "attn_gate=1", "ve_gate=1", "backout=1", "untie_at=0.667"]
+    + ["bigram_mult=5,backout=1,ve_gate=1"]
+)
 
 
 def parse(spec):

@@ -66,14 +66,16 @@ print(json.dumps(out))
 """
 
 
-def test_every_switch_combination_loads_with_model_py_alone_and_scores_any_length(tmp_path):
-    """A checkpoint of each of the 64 combinations, trained a few steps (through the untie where it is on), loads in
-    a fresh process that sees model.py alone, with weights_only=True, and gives the same logits at every length."""
+@pytest.mark.parametrize("combos", [[OFF, ON], pytest.param(COMBOS, marks=pytest.mark.slow)], ids=["on_off", "all_64"])
+def test_every_switch_combination_loads_with_model_py_alone_and_scores_any_length(tmp_path, combos):
+    """A checkpoint of each combination (all 64 in the slow tier), trained a few steps (through the untie where it
+    is on), loads in a fresh process that sees model.py alone, with weights_only=True, and gives the same logits
+    at every length."""
     alone = tmp_path / "organizer"
     alone.mkdir()
     shutil.copy(ROOT / "model.py", alone / "model.py")
     paths = []
-    for i, combo in enumerate(COMBOS):
+    for i, combo in enumerate(combos):
         model = build(**combo)
         train(model, 2, progress=lambda step: step / 2 + 0.25)  # 0.25 tied, 0.75 split
         model.eval()
@@ -94,8 +96,8 @@ def test_every_switch_combination_loads_with_model_py_alone_and_scores_any_lengt
     )
     assert run.returncode == 0, run.stderr[-2000:]
     result = __import__("json").loads(run.stdout.splitlines()[-1])
-    failed = [COMBOS[paths.index(p)] for p, ok in result.items() if not ok]
-    assert failed == [] and len(result) == len(COMBOS)
+    failed = [combos[paths.index(p)] for p, ok in result.items() if not ok]
+    assert failed == [] and len(result) == len(combos)
 
 
 # (switch, make the off model's computation exactly: None where the switch already starts neutral)
