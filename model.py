@@ -186,15 +186,15 @@ class GPTConfig:
     # --- later short-track wins (issue 37). "Here": 100 steps x 2,048 tokens at l4w128, the default minus this
     # (BENCHMARKS.md, "The current record's model"); "medium #N": the GPT-2 medium track's record table ---
     # bigram hash embedding: mnGPT #62 (2026-01-19, 7.5 x vocab rows; not in medium #18). Here: BENCHMARKS.md
-    bigram_mult: float = 0.0  # a zero-init table of this x vocab_size rows, indexed by a hash of (previous, current)
+    bigram_mult: float = 5.0  # a zero-init table of this x vocab_size rows, indexed by a hash of (previous, current)
     # smear: mnGPT #34 (2025-09-18), medium #16 and #18. Here: BENCHMARKS.md
     smear: bool = False  # the previous position's embedding mixed in through a gated scalar
     # sparse attention gate: mnGPT #28 (2025-08-23), medium #18. Here: BENCHMARKS.md
     attn_gate: bool = False  # per-head sigmoid gate on attention's output, from the block input's first dims
     # value-embedding gate: mnGPT #55 (2025-12-29), medium #18. Here: BENCHMARKS.md
-    ve_gate: bool = False  # per-head 2 sigmoid gate on the value embedding, from the same dims
+    ve_gate: bool = True  # per-head 2 sigmoid gate on the value embedding, from the same dims
     # backout: mnGPT #40 (2025-10-04), medium #15. Here: BENCHMARKS.md
-    backout: bool = False  # subtract a learned fraction of layer 3L/4's residual before the head
+    backout: bool = True  # subtract a learned fraction of layer 3L/4's residual before the head
     # tied, then split: mnGPT #53 (2025-12-22, at 2/3), medium #18 (its code splits at 1/6). Here: BENCHMARKS.md
     untie_at: float = 0.0  # share embedding and head until this fraction of training (train.py's progress); 0: off
     # the gates' AdamW LR as a fraction of scalar_lr (muon.build_optimizers; medium #18 gives gates 0.1x)
@@ -382,8 +382,10 @@ class GPT(nn.Module):
         # U-Net: decoder layer L-1-k receives encoder layer k's output, weighted
         self.n_skip = L // 2 if cfg.unet_skips else 0
         self.skip_weights = nn.Parameter(torch.ones(self.n_skip)) if self.n_skip else None
-        self.backout_layer = max(0, 3 * L // 4 - 1) if cfg.backout else None  # l16: layer 11, as medium #18
-        self.backout_lambda = nn.Parameter(torch.tensor(0.5)) if cfg.backout else None
+        # l16: layer 11's output, as medium #18; none for one layer (the last output minus a share of itself is the same
+        # direction, which norm_f undoes)
+        self.backout_layer = 3 * L // 4 - 1 if cfg.backout and 0 <= 3 * L // 4 - 1 < L - 1 else None
+        self.backout_lambda = nn.Parameter(torch.tensor(0.5)) if self.backout_layer is not None else None
         self.tied = cfg.untie_at > 0  # set_progress clears it; only the optimizer's hooks read it
         self.norm_f = Norm(C, cfg.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(C, self.padded_vocab, bias=False)

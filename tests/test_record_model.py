@@ -106,8 +106,8 @@ NEUTRAL_AT_INIT = ["bigram_mult", "smear", "ve_gate", "untie_at"]
 
 @pytest.mark.parametrize("key", list(ON))
 def test_each_switch_changes_the_computation_and_its_knobs_at_neutral_reproduce_the_off_model(key):
-    off = build(zero_init_proj=False)
-    on = build(zero_init_proj=False, **{key: ON[key]})
+    off = build(zero_init_proj=False, **OFF)
+    on = build(zero_init_proj=False, **{**OFF, key: ON[key]})
     on.load_state_dict(off.state_dict(), strict=False)  # untie_at: the forward never reads the tie
     idx = batch()[0]
     with torch.no_grad():
