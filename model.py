@@ -183,19 +183,19 @@ class GPTConfig:
     embed_norm: bool = True  # RMS-normalise the embedding so its scale is not a free knob
     # tying: Press & Wolf 2017, arXiv:1608.05859; mnGPT #8 untied them. Here: tied +0.003
     tie_embeddings: bool = False  # untied is better in speedruns; tied halves embedding params
-    # --- later short-track wins (issue 37). "Here": 100 steps x 2,048 tokens at l4w128, the default minus this
-    # (BENCHMARKS.md, "The current record's model"); "medium #N": the GPT-2 medium track's record table ---
+    # --- later short-track wins (issue 37). "Here": at 100 steps x 2,048 tokens, l4w128, val loss with the switch on
+    # minus without, same seed (BENCHMARKS.md, "The current record's model"); "medium #N": the medium track's table ---
     # bigram hash embedding: mnGPT #62 (2026-01-19, 7.5 x vocab rows; not in medium #18). Here: BENCHMARKS.md
     bigram_mult: float = 5.0  # a zero-init table of this x vocab_size rows, indexed by a hash of (previous, current)
-    # smear: mnGPT #34 (2025-09-18), medium #16 and #18. Here: BENCHMARKS.md
+    # smear: mnGPT #34 (2025-09-18), medium #16 and #18. Here: -0.026 (1 seed; a tie), off: not in the measured set
     smear: bool = False  # the previous position's embedding mixed in through a gated scalar
-    # sparse attention gate: mnGPT #28 (2025-08-23), medium #18. Here: BENCHMARKS.md
+    # sparse attention gate: mnGPT #28 (2025-08-23), medium #18. Here: not run in this sweep (an earlier one: +0.040)
     attn_gate: bool = False  # per-head sigmoid gate on attention's output, from the block input's first dims
-    # value-embedding gate: mnGPT #55 (2025-12-29), medium #18. Here: BENCHMARKS.md
+    # value-embedding gate: mnGPT #55 (2025-12-29), medium #18. Here: -0.010 (1 seed; a tie the record carries)
     ve_gate: bool = True  # per-head 2 sigmoid gate on the value embedding, from the same dims
-    # backout: mnGPT #40 (2025-10-04), medium #15. Here: BENCHMARKS.md
+    # backout: mnGPT #40 (2025-10-04), medium #15 and #18. Here: -0.018 (1 seed; a tie the record carries)
     backout: bool = True  # subtract a learned fraction of layer 3L/4's residual before the head
-    # tied, then split: mnGPT #53 (2025-12-22, at 2/3), medium #18 (its code splits at 1/6). Here: BENCHMARKS.md
+    # tied, then split: mnGPT #53 (2025-12-22, at 2/3), medium #18 (its code: 1/6). Here: -0.001 at 2/3 (1 seed)
     untie_at: float = 0.0  # share embedding and head until this fraction of training (train.py's progress); 0: off
     # the gates' AdamW LR as a fraction of scalar_lr (muon.build_optimizers; medium #18 gives gates 0.1x)
     gate_lr_mult: float = 0.1
