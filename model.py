@@ -473,28 +473,23 @@ class GPT(nn.Module):
         return logits, loss
 
     def set_progress(self, frac):
-        """train.py calls this before each optimizer step with the run's progress in [0, 1]: untie_at splits here."""
+        """train.py's progress in [0, 1] before each optimizer step: the tie of untie_at ends here."""
         self.tied = frac < self.config.untie_at
 
     def optimizer_groups(self):
-        """Parameter name -> the optimizer group muon.build_optimizers puts it in, where its own rules would not:
-        the gates ("gate": AdamW at gate_lr_mult x the scalar LR) and, with untie_at, the embedding ("head": while
-        tied it is the head; after the split it keeps the head's LR, as medium #18 keeps one Adam LR for both)."""
+        """Name -> group, where muon.build_optimizers's own rules would not: the gates ("gate"), and with untie_at the
+        embedding ("head": the head's LR while tied and after, as medium #18 keeps one Adam LR for both)."""
         groups = {n: "gate" for n, _ in self.named_parameters() if n.endswith("gate.weight")}
         return groups | ({"wte.weight": "head"} if self.config.untie_at else {})
 
     @torch.no_grad()
-    def tie_grads(self):
-        """AdamW's pre-step hook: while tied, the head's weight takes the embedding's gradient too (the gradient of
-        one shared weight) and the embedding none, so that only the head is stepped."""
+    def tie_grads(self):  # AdamW's pre-step hook: while tied, one weight's gradient on the head, none on wte
         if self.tied and self.wte.weight.grad is not None and self.lm_head.weight.grad is not None:
             self.lm_head.weight.grad.add_(self.wte.weight.grad)
             self.wte.weight.grad = None
 
     @torch.no_grad()
-    def sync_tied(self):
-        """AdamW's post-step hook: while tied, the embedding is the stepped head's copy. The forward never reads the
-        tie, so a checkpoint holds both as plain weights and scores the same at either phase."""
+    def sync_tied(self):  # AdamW's post-step hook; the forward never reads the tie: a checkpoint is two plain weights
         if self.tied:
             self.wte.weight.copy_(self.lm_head.weight)
 
