@@ -75,17 +75,19 @@ STEP_CAP = {
 }
 
 # The current record's model (issue 37) at fixed steps: 100 optimizer steps of 2,048 tokens, whatever the shared CPU's
-# speed (the step cost is compared apart); each switch alone against the default, then the adopted set together.
+# speed (the step cost is compared apart); each switch alone against the default before it ("base"), then the adopted
+# set together, which is the default now.
 FIXED = "--max_steps 100 --batch_tokens 2048 --progress_by steps"
+BEFORE = "--bigram_mult 0 --no-backout --no-ve_gate"
 RECORD_SWITCHES = {
-    "base": "",
-    "bigram": "--bigram_mult 5",
-    "smear": "--smear",
-    "attn_gate": "--attn_gate",
-    "ve_gate": "--ve_gate",
-    "backout": "--backout",
-    "untie": "--untie_at 0.667",
-    "adopted": "--bigram_mult 5 --backout --ve_gate",
+    "base": BEFORE,
+    "bigram": f"{BEFORE} --bigram_mult 5",
+    "smear": f"{BEFORE} --smear",
+    "attn_gate": f"{BEFORE} --attn_gate",
+    "ve_gate": f"{BEFORE} --ve_gate",
+    "backout": f"{BEFORE} --backout",
+    "untie": f"{BEFORE} --untie_at 0.667",
+    "adopted": "",  # --bigram_mult 5 --backout --ve_gate
 }
 RECORD = {
     f"{name}_seed{seed}": f"{FIXED} {flags} --seed {seed}"
