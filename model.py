@@ -185,7 +185,8 @@ class GPTConfig:
     tie_embeddings: bool = False  # untied is better in speedruns; tied halves embedding params
     # --- later short-track wins (issue 37). "Here": at 100 steps x 2,048 tokens, l4w128, val loss with the switch on
     # minus without, same seed (BENCHMARKS.md, "The current record's model"); "medium #N": the medium track's table ---
-    # bigram hash embedding: mnGPT #62 (2026-01-19, 7.5 x vocab rows; not in medium #18). Here: BENCHMARKS.md
+    # bigram hash embedding: mnGPT #62 (2026-01-19, 7.5 x vocab rows; not in medium #18). Here: -0.056 (3 seeds, all
+    # wins); with backout and the value-embedding gate, the adopted set: -0.062 (3 seeds, all wins)
     bigram_mult: float = 5.0  # a zero-init table of this x vocab_size rows, indexed by a hash of (previous, current)
     # smear: mnGPT #34 (2025-09-18), medium #16 and #18. Here: -0.026 (1 seed; a tie), off: not in the measured set
     smear: bool = False  # the previous position's embedding mixed in through a gated scalar
