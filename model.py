@@ -188,15 +188,15 @@ class GPTConfig:
     # bigram hash embedding: mnGPT #62 (2026-01-19, 7.5 x vocab rows; not in medium #18). Here: -0.056 (3 seeds, all
     # wins); with backout and the value-embedding gate, the adopted set: -0.062 (3 seeds, all wins)
     bigram_mult: float = 5.0  # a zero-init table of this x vocab_size rows, indexed by a hash of (previous, current)
-    # smear: mnGPT #34 (2025-09-18), medium #16 and #18. Here: -0.026 (1 seed; a tie), off: not in the measured set
+    # smear: mnGPT #34 (2025-09-18), medium #16 and #18. Here: -0.017 (3 seeds; a tie), off: not in the measured set
     smear: bool = False  # the previous position's embedding mixed in through a gated scalar
-    # sparse attention gate: mnGPT #28 (2025-08-23), medium #18. Here: not run in this sweep (an earlier one: +0.040)
+    # sparse attention gate: mnGPT #28 (2025-08-23), medium #18. Here: +0.027 (3 seeds; leaning worse)
     attn_gate: bool = False  # per-head sigmoid gate on attention's output, from the block input's first dims
-    # value-embedding gate: mnGPT #55 (2025-12-29), medium #18. Here: -0.010 (1 seed; a tie the record carries)
+    # value-embedding gate: mnGPT #55 (2025-12-29), medium #18. Here: +0.001 (3 seeds; a tie the record carries)
     ve_gate: bool = True  # per-head 2 sigmoid gate on the value embedding, from the same dims
-    # backout: mnGPT #40 (2025-10-04), medium #15 and #18. Here: -0.018 (1 seed; a tie the record carries)
+    # backout: mnGPT #40 (2025-10-04), medium #15 and #18. Here: -0.005 (3 seeds; a tie the record carries)
     backout: bool = True  # subtract a learned fraction of layer 3L/4's residual before the head
-    # tied, then split: mnGPT #53 (2025-12-22, at 2/3), medium #18 (its code: 1/6). Here: -0.001 at 2/3 (1 seed)
+    # tied, then split: mnGPT #53 (2025-12-22, at 2/3), medium #18 (its code: 1/6). Here: +0.036 at 2/3 (3 seeds)
     untie_at: float = 0.0  # share embedding and head until this fraction of training (train.py's progress); 0: off
     # the gates' AdamW LR as a fraction of scalar_lr (muon.build_optimizers; medium #18 gives gates 0.1x)
     gate_lr_mult: float = 0.1
