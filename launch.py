@@ -251,6 +251,7 @@ def build_plan(hp, model_switches, device, world, budget_s, say):
     plan, table = make_plan(
         model=hp.model,
         shape=shape,
+        switches=model_switches,
         tokens_per_param=hp.tokens_per_param,
         kind=kind,
         world_size=world,

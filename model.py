@@ -183,6 +183,39 @@ class GPTConfig:
     embed_norm: bool = True  # RMS-normalise the embedding so its scale is not a free knob
     # tying: Press & Wolf 2017, arXiv:1608.05859; mnGPT #8 untied them. Here: tied +0.003
     tie_embeddings: bool = False  # untied is better in speedruns; tied halves embedding params
+    # --- later short-track wins (issue 37). "Here": at 100 steps x 2,048 tokens, l4w128, val loss with the switch on
+    # minus without, same seed (BENCHMARKS.md, "The current record's model"); "medium #N": the medium track's table ---
+    # bigram hash embedding: mnGPT #62 (2026-01-19, 7.5 x vocab rows; not in medium #18). Here: -0.056 (3 seeds, all
+    # wins); with backout and the value-embedding gate, the adopted set: -0.062 (3 seeds, all wins)
+    bigram_mult: float = 5.0  # a zero-init table of this x vocab_size rows, indexed by a hash of (previous, current)
+    # smear: mnGPT #34 (2025-09-18), medium #16 and #18. Here: -0.017 (3 seeds; a tie), off: not in the measured set
+    smear: bool = False  # the previous position's embedding mixed in through a gated scalar
+    # sparse attention gate: mnGPT #28 (2025-08-23), medium #18. Here: +0.027 (3 seeds; leaning worse)
+    attn_gate: bool = False  # per-head sigmoid gate on attention's output, from the block input's first dims
+    # value-embedding gate: mnGPT #55 (2025-12-29), medium #18. Here: +0.001 (3 seeds; a tie the record carries)
+    ve_gate: bool = True  # per-head 2 sigmoid gate on the value embedding, from the same dims
+    # backout: mnGPT #40 (2025-10-04), medium #15 and #18. Here: -0.005 (3 seeds; a tie the record carries)
+    backout: bool = True  # subtract a learned fraction of layer 3L/4's residual before the head
+    # tied, then split: mnGPT #53 (2025-12-22, at 2/3), medium #18 (its code: 1/6). Here: +0.036 at 2/3 (3 seeds)
+    untie_at: float = 0.0  # share embedding and head until this fraction of training (train.py's progress); 0: off
+    # the gates' AdamW LR as a fraction of scalar_lr (muon.build_optimizers; medium #18 gives gates 0.1x)
+    gate_lr_mult: float = 0.1
+
+
+GATE_DIM = 12  # the gates read the first dims of their input (mnGPT: 12 on the short track, 16 on the medium)
+
+
+def bigram_hash(idx, rows):
+    """Row of each (previous, current) token pair in a table of `rows`; a window's first position, whose previous
+    token is not in the window, gets the last row. Multiply-xor (mnGPT's constants) spreads pairs over the rows."""
+    idx = idx.long()
+    pairs = torch.bitwise_xor(36313 * idx[:, 1:], 27191 * idx[:, :-1]) % (rows - 1)
+    return torch.cat([idx.new_full((idx.size(0), 1), rows - 1), pairs], dim=1)
+
+
+def gate_linear(cfg, n_out, on):
+    """A zero-init (GATE_DIM -> n_out) linear map (sigmoid 0.5 at init), or None when its switch is off."""
+    return nn.Linear(min(GATE_DIM, cfg.n_embd), n_out, bias=False) if on else None
 
 
 def rms_norm(x):
@@ -253,6 +286,8 @@ class Attention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         # v = a*v + b*ve; half-and-half start lets either side take over
         self.ve_lambdas = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
+        self.attn_gate = gate_linear(cfg, self.n_head, cfg.attn_gate)
+        self.ve_gate = gate_linear(cfg, self.n_head, cfg.ve_gate and has_value_embed)
 
     def forward(self, x, ve, rope):
         B, T, C = x.shape
@@ -265,9 +300,15 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if ve is not None:
-            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve.view_as(v).type_as(v)
+            ve = ve.view_as(v).type_as(v)
+            if self.ve_gate is not None:  # 2 sigmoid: 1 at init, so the gate starts as the ungated sum
+                ve = ve * 2 * torch.sigmoid(self.ve_gate(x[..., :GATE_DIM]))[..., None]
+            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        y = y.transpose(1, 2)
+        if self.attn_gate is not None:  # a head can output ~nothing where its context has nothing to add
+            y = y * torch.sigmoid(self.attn_gate(x[..., :GATE_DIM]))[..., None]
+        return self.c_proj(y.reshape(B, T, C))
 
 
 class MLP(nn.Module):
@@ -310,6 +351,10 @@ class GPT(nn.Module):
             raise ValueError(f"n_embd={cfg.n_embd} must split into n_head={cfg.n_head} heads of even size")
         if cfg.pos not in ("rope", "learned"):
             raise ValueError(f"config pos must be 'rope' or 'learned', got {cfg.pos!r}")
+        if cfg.untie_at and (cfg.tie_embeddings or not 0 < cfg.untie_at < 1):
+            raise ValueError(f"config untie_at must be in (0, 1) with tie_embeddings off, got {cfg.untie_at}")
+        if not 0 <= cfg.bigram_mult < math.inf:
+            raise ValueError(f"config bigram_mult must be a finite number >= 0 (0: off), got {cfg.bigram_mult}")
         if not (cfg.mlp_ratio >= 1 and cfg.rope_base > 1 and 0 <= cfg.logit_softcap < math.inf):
             raise ValueError(
                 f"config mlp_ratio must be >= 1, rope_base > 1 and logit_softcap a finite number >= 0, got "
@@ -322,6 +367,12 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.seq_len, C) if cfg.pos == "learned" else None
         self.rotary = Rotary(C // cfg.n_head, cfg.rope_base) if cfg.pos == "rope" else None
         self.embed_norm = Norm(C, cfg.norm) if cfg.embed_norm else None
+        self.bigram = nn.Embedding(max(2, int(cfg.bigram_mult * cfg.vocab_size)), C) if cfg.bigram_mult else None
+        # mnGPT injects it at 0.05 (learned): a row that Adam moved at the embedding LR after one hit would drown the
+        # normalised token embedding (measured: without the scale, +0.100 at seed 0 instead of a gain)
+        self.bigram_lambda = nn.Parameter(torch.tensor(0.05)) if cfg.bigram_mult else None
+        self.smear_gate = gate_linear(cfg, 1, cfg.smear)
+        self.smear_lambda = nn.Parameter(torch.zeros(())) if cfg.smear else None
         # value embeddings: table k feeds layer k and layer L-n_ve+k (modded-nanogpt uses 3 tables)
         n_ve = min(3, L // 2) if cfg.value_embeds else 0
         self.value_embeds = nn.ModuleList(nn.Embedding(self.padded_vocab, C) for _ in range(n_ve))
@@ -332,6 +383,11 @@ class GPT(nn.Module):
         # U-Net: decoder layer L-1-k receives encoder layer k's output, weighted
         self.n_skip = L // 2 if cfg.unet_skips else 0
         self.skip_weights = nn.Parameter(torch.ones(self.n_skip)) if self.n_skip else None
+        # l16: layer 11's output, as medium #18; none for one layer (the last output minus a share of itself is the same
+        # direction, which norm_f undoes)
+        self.backout_layer = 3 * L // 4 - 1 if cfg.backout and 0 <= 3 * L // 4 - 1 < L - 1 else None
+        self.backout_lambda = nn.Parameter(torch.tensor(0.5)) if self.backout_layer is not None else None
+        self.tied = cfg.untie_at > 0  # set_progress clears it; only the optimizer's hooks read it
         self.norm_f = Norm(C, cfg.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(C, self.padded_vocab, bias=False)
         self.chunk_loss = chunk_loss  # compile_per_block swaps in the compiled form
@@ -348,12 +404,18 @@ class GPT(nn.Module):
                 block.attn.c_proj.weight.zero_()
                 block.mlp.c_proj.weight.zero_()
         # the input embedding is normalised, so its scale only matters when it doubles as the head
-        self.wte.weight.normal_(0.0, 0.02 if cfg.tie_embeddings else 1.0)
+        self.wte.weight.normal_(0.0, 0.02 if cfg.tie_embeddings or cfg.untie_at else 1.0)
         if self.wpe is not None:
             self.wpe.weight.normal_(0.0, 0.02)
         for ve in self.value_embeds:
             ve.weight.normal_(0.0, 0.5)  # the scale of v at init
-        if self.lm_head is not None:
+        gates = [g for b in self.blocks for g in (b.attn.attn_gate, b.attn.ve_gate)] + [self.smear_gate, self.bigram]
+        for g in gates:  # zero: the gates start at sigmoid 0.5 (2 sigmoid: 1), the bigram table adds nothing
+            if g is not None:
+                g.weight.zero_()
+        if cfg.untie_at:  # one weight until the split: the head starts as a copy of the embedding
+            self.lm_head.weight.copy_(self.wte.weight)
+        elif self.lm_head is not None:
             if cfg.zero_init_proj:
                 self.lm_head.weight.zero_()  # initial loss is exactly ln(V)
             else:
@@ -373,11 +435,16 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(T, device=idx.device))
         if self.embed_norm is not None:
             x = self.embed_norm(x)
+        if self.bigram is not None:
+            x = x + self.bigram_lambda * self.bigram(bigram_hash(idx, self.bigram.num_embeddings))
+        if self.smear_gate is not None:  # position t also sees t-1's embedding, through a gate read at t
+            smear = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :GATE_DIM]))
+            x = torch.cat([x[:, :1], x[:, 1:] + smear * x[:, :-1]], dim=1)
         # a copy, not an alias: compiled blocks guard on `x is x0`, and block 0 would be a graph of its own
         x0, x = x, x.clone()
         rope = self.rotary(T, idx.device) if self.rotary is not None else None
         ves = [ve(idx) for ve in self.value_embeds]
-        L, skips = len(self.blocks), []
+        L, skips, early = len(self.blocks), [], None
         for i, block in enumerate(self.blocks):
             if i >= L - self.n_skip:
                 x = x + self.skip_weights[L - 1 - i] * skips.pop()
@@ -385,6 +452,10 @@ class GPT(nn.Module):
             x = block(x, x0, ve, rope)
             if i < self.n_skip:
                 skips.append(x)
+            if i == self.backout_layer:
+                early = x
+        if early is not None:  # what early layers wrote for later context, not for this prediction
+            x = x - self.backout_lambda * early
         x = self.norm_f(x)
         head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
         if not return_logits:
@@ -401,6 +472,27 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())
         return logits, loss
+
+    def set_progress(self, frac):
+        """train.py's progress in [0, 1] before each optimizer step: the tie of untie_at ends here."""
+        self.tied = frac < self.config.untie_at
+
+    def optimizer_groups(self):
+        """Name -> group, where muon.build_optimizers's own rules would not: the gates ("gate"), and with untie_at the
+        embedding ("head": the head's LR while tied and after, as medium #18 keeps one Adam LR for both)."""
+        groups = {n: "gate" for n, _ in self.named_parameters() if n.endswith("gate.weight")}
+        return groups | ({"wte.weight": "head"} if self.config.untie_at else {})
+
+    @torch.no_grad()
+    def tie_grads(self):  # AdamW's pre-step hook: while tied, one weight's gradient on the head, none on wte
+        if self.tied and self.wte.weight.grad is not None and self.lm_head.weight.grad is not None:
+            self.lm_head.weight.grad.add_(self.wte.weight.grad)
+            self.wte.weight.grad = None
+
+    @torch.no_grad()
+    def sync_tied(self):  # AdamW's post-step hook; the forward never reads the tie: a checkpoint is two plain weights
+        if self.tied:
+            self.wte.weight.copy_(self.lm_head.weight)
 
     def compile_per_block(self):
         """torch.compile each block on its own (identical blocks share one graph, and DDP's buckets split nothing)
@@ -423,7 +515,7 @@ class GPT(nn.Module):
         A tied wte is counted as non-embedding: it is also the output matmul."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            tables = [ve.weight for ve in self.value_embeds]
+            tables = [ve.weight for ve in self.value_embeds] + ([self.bigram.weight] if self.bigram is not None else [])
             tables += [self.wpe.weight] if self.wpe is not None else []
             tables += [self.wte.weight] if self.lm_head is not None else []
             n -= sum(t.numel() for t in tables)

@@ -268,6 +268,8 @@ def build_optimizers(
       2. parameters of nn.Embedding modules      -> AdamW group "embed"  (lr=embed_lr)
       3. every other parameter with ndim >= 2    -> Muon  group "muon"   (lr=muon_lr)
       4. ndim < 2: gains, scalars, biases        -> AdamW group "scalar" (lr=scalar_lr, no weight decay)
+    except what model.optimizer_groups() names: "gate" (AdamW, lr=scalar_lr x model.config.gate_lr_mult, no weight
+    decay: the small gate matrices, as mnGPT #56 moved them from Muon to Adam) or "head" (rule 1).
     Embedding rows and head rows are per-token vectors, not hidden linear maps, so orthogonalising
     them is not what Muon is for. Weight decay is cautious and multiplied by the LR (Muon.step, CautiousAdamW):
     muon_weight_decay on the Muon group, adam_weight_decay on embed, head and hidden; never on scalars.
@@ -275,11 +277,14 @@ def build_optimizers(
     over all its tensors (on one CPU thread, 15 ms against 114 for the per-tensor loop over four 32K x 128 tables).
     """
     embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    named = model.optimizer_groups() if hasattr(model, "optimizer_groups") else {}  # the model's own exceptions
     split = defaultdict(list)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p is tied_head or name.startswith("lm_head."):
+        if named.get(name) == "gate":
+            split["gate"].append(p)
+        elif p is tied_head or name.startswith("lm_head.") or named.get(name) == "head":
             split["head"].append(p)
         elif id(p) in embedding_params:
             split["embed"].append(p)
@@ -297,10 +302,14 @@ def build_optimizers(
             ("head", head_lr, adam_weight_decay),
             ("hidden", hidden_adamw_lr, adam_weight_decay),
             ("scalar", scalar_lr, 0.0),
+            ("gate", scalar_lr * getattr(getattr(model, "config", None), "gate_lr_mult", 1.0), 0.0),
         ]
         if split[name]
     ]
     adamw = CautiousAdamW(adam_groups, betas=adam_betas, eps=adam_eps, weight_decay=0.0, fused=True)
+    if hasattr(model, "tie_grads"):  # a shared embedding and head (model.py's untie_at) are stepped as one weight
+        adamw.register_step_pre_hook(lambda *_: model.tie_grads())
+        adamw.register_step_post_hook(lambda *_: model.sync_tied())
     if not use_muon:
         return [adamw]
     return [

@@ -119,7 +119,7 @@ def _shape_costs(shape_items, vocab_size, seq_len):
         "params": model.num_params(),
         "block_params": sum(p.numel() for p in model.blocks.parameters()),
         "flops_per_token": model.flops_per_token(),
-        "n_tables": 1 + len(model.value_embeds),
+        "n_tables": 1 + len(model.value_embeds) + (model.bigram is not None),
     }
 
 
@@ -265,15 +265,16 @@ def _shape_plan(
     )
 
 
-def make_plan(*, model, shape, tokens_per_param, **spec):
+def make_plan(*, model, shape, tokens_per_param, switches=None, **spec):
     """(plan, table): the plan for the shape flags (`shape`, a config dict), a ladder name, or `model="auto"`,
     which plans every ladder shape (the table) and takes the largest that fits and trains >= tokens_per_param
-    tokens per block parameter (the smallest that fits if none does). spec: see _shape_plan."""
+    tokens per block parameter (the smallest that fits if none does). switches: model.py switches given as flags,
+    which a ladder shape's costs count too (a bigram table's parameters and memory). spec: see _shape_plan."""
     if shape:
         return _shape_plan("custom", shape, **spec), []
     if model != "auto":
-        return _shape_plan(model, shape_config(model), **spec), []
-    table = [_shape_plan(name, shape_config(name), **spec) for name, *_ in LADDER]
+        return _shape_plan(model, {**shape_config(model), **(switches or {})}, **spec), []
+    table = [_shape_plan(name, {**shape_config(name), **(switches or {})}, **spec) for name, *_ in LADDER]
     fitting = [p for p in table if p.fits]
     if not fitting:
         raise ValueError(

@@ -312,6 +312,7 @@ def optimizer_step(run, clock, state, guard, amp):
     done, accum = clock.begin_step(state.step)
     step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * accum
     state.lr_frac, momentum = schedule(done, run.hp)
+    run.raw_model.set_progress(done)  # model.py's untie_at
     set_lrs(run.optimizers, run.hp, state.lr_frac, momentum, step_tokens, run.device.type, guard.lr_scale)
     try:
         if state.step == 0 and run.hp.compile:

@@ -74,6 +74,27 @@ STEP_CAP = {
     }.items()
 }
 
+# The current record's model (issue 37) at fixed steps: 100 optimizer steps of 2,048 tokens, whatever the shared CPU's
+# speed (the step cost is compared apart); each switch alone against the default before it ("base"), then the adopted
+# set together, which is the default now.
+FIXED = "--max_steps 100 --batch_tokens 2048 --progress_by steps"
+BEFORE = "--bigram_mult 0 --no-backout --no-ve_gate"
+RECORD_SWITCHES = {
+    "base": BEFORE,
+    "bigram": f"{BEFORE} --bigram_mult 5",
+    "smear": f"{BEFORE} --smear",
+    "attn_gate": f"{BEFORE} --attn_gate",
+    "ve_gate": f"{BEFORE} --ve_gate",
+    "backout": f"{BEFORE} --backout",
+    "untie": f"{BEFORE} --untie_at 0.667",
+    "adopted": "",  # --bigram_mult 5 --backout --ve_gate
+}
+RECORD = {
+    f"{name}_seed{seed}": f"{FIXED} {flags} --seed {seed}"
+    for seed in range(3)
+    for name, flags in RECORD_SWITCHES.items()
+}
+
 
 def run_variant(name, extra, args, out, shape=SHAPE):
     folder = out / name
@@ -153,7 +174,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget_min", type=float, default=5.0, help="training budget of each variant")
     parser.add_argument(
-        "--variants", default="all", help=f"comma list of: {', '.join({**VARIANTS, **CALIBRATION, **STEP_CAP})}"
+        "--variants",
+        default="all",
+        help=f"comma list of: {', '.join({**VARIANTS, **CALIBRATION, **STEP_CAP, **RECORD})}",
     )
     parser.add_argument("--corpus", default=os.environ.get("BENCH_CORPUS", str(REPO.parent / "bench_corpus")))
     parser.add_argument("--out", default="runs/speedrun", help="checkpoints, logs and results.json go here")
@@ -163,7 +186,7 @@ def main():
     args = parser.parse_args()
     variants, shape = VARIANTS, SHAPE
     if args.variants != "all":  # the tokens-per-step calibration runs are asked for by name
-        variants = {**VARIANTS, **CALIBRATION, **STEP_CAP}
+        variants = {**VARIANTS, **CALIBRATION, **STEP_CAP, **RECORD}
     if args.ladder:  # each ladder shape by name; 'auto' is the one --model auto picks for this machine and budget
         variants = {name: f"--model {name}" for name in args.ladder.split(",")}
         shape, args.variants = WINDOW, "all"
