@@ -33,6 +33,13 @@ def drive(clock, unit_s, first_extra_s=0.0):
         step += 1
 
 
+def event_clock(plan):
+    """The loop's Clock for the event: 600 s, cap 5000, the plan's accumulation, forecast and floor."""
+    return C.Clock(
+        600.0, 5000, plan.grad_accum_steps, 1.0, may_replan=True, planned_step_s=plan.step_s, min_accum=plan.min_accum
+    )
+
+
 def main():
     plan, _ = make_plan(model="l16w1024", shape=None, tokens_per_param=20.0, **EVENT)
     print(f"plan: {plan.line()}\n")
@@ -40,15 +47,7 @@ def main():
     print("| --- | --- | --- | --- | --- | --- |")
     for share in (0.1, 0.33, 0.5, 0.7):
         for step_s in (plan.step_s, plan.step_s / 2, plan.step_s * 2):
-            clock = C.Clock(
-                600.0,
-                5000,
-                plan.grad_accum_steps,
-                1.0,
-                may_replan=True,
-                planned_step_s=plan.step_s,
-                min_accum=plan.min_accum,
-            )
+            clock = event_clock(plan)
             steps, progress, end = drive(clock, step_s / plan.grad_accum_steps, share * 600.0)
             stable = sum(p < 0.6 for p in progress[1:]) / max(len(progress) - 1, 1)
             print(
@@ -58,15 +57,7 @@ def main():
     print("| --- | --- | --- | --- |")
     for speed in (4.0, 2.0, 1.0, 0.5, 0.25):
         unit_s = plan.step_s / plan.grad_accum_steps / speed
-        clock = C.Clock(
-            600.0,
-            5000,
-            plan.grad_accum_steps,
-            1.0,
-            may_replan=True,
-            planned_step_s=plan.step_s,
-            min_accum=plan.min_accum,
-        )
+        clock = event_clock(plan)
         steps, _, end = drive(clock, unit_s)
         print(f"| {unit_s * 6e3:.1f} ms ({1 / speed:g}x the forecast) | {steps:,} | {clock.accum} | {end:.1f} |")
 
