@@ -35,6 +35,7 @@ SECTIONS = {
     "prefetch": "batches kept ready by a background thread, pinned and copied to the device",
     "data": "the data front: token files checked and loaded, BatchLoader, validation batches",
     "paths": "the files a run reads and writes, checked before anything is written",
+    "headloss": "the training loss: the head's matmul and cross-entropy a chunk of rows at a time",
     "muon": "the optimizers: Muon for hidden matrices, AdamW for the rest, sharded across ranks",
     "ranks": "the torch floor, process group and devices, ranks leaving together, warm collectives",
     "launch": "everything before the clock, in order; returns the Run the loop reads",

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import get_model, model_config
+from headloss import compiled_head_loss, head_loss
 from data import BatchLoader, load_token_data, val_batches
 from shards import Deal
 from synthetic import SYNTH_STATES
@@ -60,6 +61,7 @@ class Run:
     device: torch.device
     raw_model: torch.nn.Module
     model: torch.nn.Module  # raw_model, or its DDP wrapper
+    loss_fn: object  # model(x, y, loss_fn=...)'s training loss: headloss.head_loss, compiled as configured
     optimizers: list
     eager_runs: "EagerRuns"
     loader: BatchLoader
@@ -87,7 +89,7 @@ def launch(hp, model_switches, stop_signal, say):
     budget_s = budget_until(deadline, hp)  # first: the plan is made for the budget the run gets
     hp, data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, budget_s, say)
     eager_runs = EagerRuns(say, fail_on_miss=hp.on_recompile == "fail")
-    raw_model, model, optimizers = build_model(hp, plan, model_switches, device, world, eager_runs)
+    raw_model, model, loss_fn, optimizers = build_model(hp, plan, model_switches, device, world, eager_runs)
     config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(raw_model.config)}
     checkpointer = Checkpointer(hp.checkpoint_path)
     error, saved_unix = None, 0.0
@@ -118,6 +120,7 @@ def launch(hp, model_switches, stop_signal, say):
         device=device,
         raw_model=raw_model,
         model=model,
+        loss_fn=loss_fn,
         optimizers=optimizers,
         eager_runs=eager_runs,
         loader=loader,
@@ -332,7 +335,8 @@ def check_plan(plan, hp, memory, budget_s, say):
 
 
 def build_model(hp, plan, model_switches, device, world, eager_runs):
-    """(the plain model, what the loop calls: compiled per block and DDP-wrapped as configured, optimizers)."""
+    """(the plain model, what the loop calls: compiled per block and DDP-wrapped as configured, its loss_fn,
+    optimizers)."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -360,7 +364,7 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         raw_model.compile_per_block()
         for block in raw_model.blocks:  # what nn.Module.compile installed, called by block(...)
             block._compiled_call_impl = eager_runs.wrap(block._compiled_call_impl)
-        raw_model.chunk_loss = eager_runs.wrap(raw_model.chunk_loss)
+    loss_fn = compiled_head_loss(eager_runs.wrap) if hp.compile else head_loss
     model = raw_model
     if world > 1:
         model = DDP(
@@ -368,7 +372,7 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         )
         if hp.grad_reduce == "bf16":
             model.register_comm_hook(None, bf16_grad_hook)
-    return raw_model, model, optimizers
+    return raw_model, model, loss_fn, optimizers
 
 
 class EagerRuns:

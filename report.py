@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from headloss import chunk_graphs
 from plan import peak_flops
 from streams import lost_log_streams
 
@@ -29,7 +30,7 @@ def summary_row(run, clock, state, val_loss, val_batches):
         "tokens_per_s": round(state.tokens / max(state.train_s, 1e-9)),
         "compile_s": round(clock.compile_s, 3),
         "compiled_graphs": compiled_graphs() if run.hp.compile else 0,
-        "planned_graphs": run.raw_model.compiled_graphs(run.plan.micro_batch * run.hp.seq_len, run.device.type)
+        "planned_graphs": planned_graphs(run.raw_model, run.plan.micro_batch * run.hp.seq_len, run.device.type)
         if run.hp.compile
         else 0,
         "compile_fallback": state.compile_fallback,
@@ -57,6 +58,12 @@ def summary_row(run, clock, state, val_loss, val_batches):
 def compiled_graphs():
     """Graphs torch.compile made in this process (dynamo's own count)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def planned_graphs(model, micro_tokens, device_type):
+    """The graphs a compiled run makes in training: one per kind of block (model.compile_per_block: with and without
+    value embeddings) and the head's loss math's (headloss.compiled_head_loss)."""
+    return len({k is None for k in model.ve_index}) + chunk_graphs(micro_tokens, model.padded_vocab, device_type)
 
 
 class Logger:

@@ -34,6 +34,7 @@ from clock import Clock
 from rollback import Guard
 from plan import MIN_TOKENS_PER_STEP
 from windows import DataChanged
+from headloss import head_loss
 from launch import agreed_budget, build_plan, launch, resolve
 from ranks import fail
 from streams import guard_log_streams
@@ -160,7 +161,7 @@ def evaluate(model, batches, device, amp):
     with torch.compiler.set_stance("force_eager"):
         for x, y in batches:
             with amp:
-                _, loss = model(x.to(device), y.to(device), return_logits=False)
+                _, loss = model(x.to(device), y.to(device), loss_fn=head_loss)
             total += loss.float() * y.numel()  # token-weighted: the last batch may be smaller
             count += y.numel()
     model.train()
@@ -351,7 +352,7 @@ def accumulate(run, accum, amp, check_stop=False):
         # gradients are all-reduced once per optimizer step, on the last micro-step
         with run.model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
             with amp:
-                _, loss = run.model(x, y, return_logits=False)
+                _, loss = run.model(x, y, loss_fn=run.loss_fn)
             (loss * (weight / accum)).backward()
         step_loss += loss.detach() / accum
     return step_loss

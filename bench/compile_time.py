@@ -7,9 +7,9 @@
 Modes:
   whole      torch.compile(model): what train.py did before issue 13, one graph for the whole model; measured
              at the first --batch only, for the comparison
-  per_block  model.compile_per_block(), what train.py does now: each block compiled on its own and the head's
-             per-chunk loss math, the embeddings and the head's matmuls eager. Blocks of one structure share a graph,
-             so compiling does not grow with depth.
+  per_block  model.compile_per_block() and headloss.compiled_head_loss(), what train.py does now: each block
+             compiled on its own and the head's per-chunk loss math, the embeddings and the head's matmuls eager.
+             Blocks of one structure share a graph, so compiling does not grow with depth.
 Every row is a fresh process with an empty inductor cache (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in a new
 temporary folder, the FX-graph and AOT-autograd caches off), so its first step pays all of compilation, as the
 event's first step does. Before compiling, each process runs one eager forward+backward on the same weights and
@@ -17,7 +17,7 @@ tokens: the reference the compiled first step must match (zero_init_proj off, so
 graph is the same), and the warm-up of everything that is not compilation, alike for both modes.
 A step is one forward+backward on random tokens (32K vocabulary), through the (B, T, V) logits and F.cross_entropy
 (--head logits: model(idx, targets)) or the chunked head + loss train.py uses (--head fused: model(idx, targets,
-return_logits=False)). The steady step is the median of --steps more after one untimed; tokens/s and MFU come from
+loss_fn=head_loss)). The steady step is the median of --steps more after one untimed; tokens/s and MFU come from
 it (MFU against the GPU's published bf16 peak; none on CPU). With --optimizer, muon.build_optimizers' Muon + AdamW
 step after each and are timed on their own: in one process Muon orthogonalises every matrix, W times what a rank
 of W does. CUDA runs in bf16 autocast, as train.py does.
@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import get_model
+from headloss import compiled_head_loss, head_loss
 from muon import build_optimizers
 from plan import peak_flops
 
@@ -68,9 +69,11 @@ def measure(mode, shape, batch, seq, device, steps, optimizer, head):
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
     x, y = torch.randint(0, VOCAB, (2, batch, seq), device=device)
 
+    loss_fn = head_loss if head == "fused" else None
+
     def forward_backward(m):
         with amp:
-            _, loss = m(x, y, return_logits=False) if head == "fused" else m(x, y)
+            _, loss = m(x, y, loss_fn=loss_fn)
         loss.backward()
         return loss.detach()
 
@@ -82,6 +85,7 @@ def measure(mode, shape, batch, seq, device, steps, optimizer, head):
     else:
         model.compile_per_block()
         compiled = model
+        loss_fn = compiled_head_loss() if head == "fused" else None
 
     sync()
     start = time.perf_counter()

@@ -57,6 +57,7 @@ part 90 "CUDA paths: per-block compiled bf16 model vs eager, fused head, Muon in
     python - "$DEVICE" $PATHS <<'EOF'
 import math, sys, torch
 from model import get_model
+from headloss import compiled_head_loss
 from muon import build_optimizers, zeropower_via_newtonschulz
 from data import BatchLoader
 from shards import Deal
@@ -75,7 +76,7 @@ with amp:
 m.compile_per_block()
 with amp:
     _, loss_c = m(idx, idx)
-    _, loss_f = m(idx, idx, return_logits=False)  # train.py's chunked head + loss
+    _, loss_f = m(idx, idx, loss_fn=compiled_head_loss())  # train.py's chunked head + loss
 assert abs(loss_e.item() - loss_c.item()) < 0.05, (loss_e.item(), loss_c.item())
 assert abs(loss_f.item() - loss_c.item()) < 0.05, (loss_f.item(), loss_c.item())
 assert abs(loss_e.item() - math.log(32000)) < 1.0

@@ -1,4 +1,4 @@
-"""Head + loss: full float32 logits (forward(idx, targets)) against the chunked head_loss (return_logits=False).
+"""Head + loss: full float32 logits (forward(idx, targets)) against the chunked head_loss (loss_fn=head_loss).
 
     python bench/head_loss.py [--rounds 7] [--threads 1]
 
@@ -8,7 +8,7 @@
    through both paths. One process; one path at a time, as a real run takes one, the two models alternating round
    by round after WARMUP_ROUNDS. Best and median of --rounds, and the median of each round's own default / starter
    ratio (neighbours in time share the box's load). Each chunked step is also split by wall clock into phases:
-   the body's forward (to the final norm), the head's matmuls, its per-chunk loss math (model.chunk_loss, wrapped),
+   the body's forward (to the final norm), the head's matmuls, its per-chunk loss math (headloss.chunk_loss, wrapped),
    backward and the optimizers; their medians show where the default's extra time goes. (The profiler misplaces it:
    it charged the cap's scalar multiply 25 ms a chunk, which timers put at 8.7.)
 2. Peak memory of one forward + backward at 8 x 1024 tokens, vocab 32,000: the CPU allocator's live bytes, read
@@ -17,6 +17,7 @@
 """
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -31,6 +32,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from ranks import keep_freed_memory  # noqa: E402
 from model import get_model  # noqa: E402
+from headloss import chunk_loss, head_loss  # noqa: E402
 from muon import build_optimizers  # noqa: E402
 
 SHAPE = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 32000}
@@ -50,7 +52,7 @@ STARTER = {
     "tie_embeddings": True,
 }
 MODELS = {"default": {}, "starter": STARTER}
-PATHS = {"full logits": True, "chunked": False}  # the value of return_logits
+PATHS = {"full logits": False, "chunked": True}  # chunked: model(x, y, loss_fn=head_loss), as train.py
 
 
 def batch(B, T, seed=0):
@@ -60,28 +62,28 @@ def batch(B, T, seed=0):
 
 class PhaseClock:
     """A training step as train.py takes it, split by wall clock: the final norm's forward hook marks where the head
-    starts, a wrapper of model.chunk_loss sums the loss math's time, and the rest of the head's forward is its
+    starts, a wrapper of headloss.chunk_loss sums the loss math's time, and the rest of the head's forward is its
     matmuls (and a few small per-chunk ops)."""
 
     def __init__(self, model):
-        self.model, self.chunk_fn, self.chunk_s, self.head_start = model, model.chunk_loss, 0.0, 0.0
-        model.chunk_loss = self.timed_chunk
+        self.model, self.chunk_s, self.head_start = model, 0.0, 0.0
+        self.loss_fn = functools.partial(head_loss, chunk_fn=self.timed_chunk)
         model.norm_f.register_forward_hook(self.mark_head)
 
     def timed_chunk(self, *args):
         start = time.perf_counter()
-        out = self.chunk_fn(*args)
+        out = chunk_loss(*args)
         self.chunk_s += time.perf_counter() - start
         return out
 
     def mark_head(self, *_):
         self.head_start = time.perf_counter()
 
-    def step(self, x, y, return_logits, optimizers):
+    def step(self, x, y, chunked, optimizers):
         """One training step; returns ms per phase (with full logits, "head matmuls" is the whole head and loss)."""
         self.chunk_s = 0.0
         start = time.perf_counter()
-        loss = self.model(x, y, return_logits=return_logits)[1]
+        loss = self.model(x, y, loss_fn=self.loss_fn if chunked else None)[1]
         forward_end = time.perf_counter()
         loss.backward()
         backward_end = time.perf_counter()
@@ -119,19 +121,19 @@ def step_phases(rounds, seq_len=256, batch_size=8):
     x, y = batch(batch_size, seq_len)
     clocks = {name: PhaseClock(model) for name, model in models.items()}
     runs = {(m, p): [] for m in models for p in PATHS}
-    for p, return_logits in PATHS.items():
+    for p, chunked in PATHS.items():
         for r in range(WARMUP_ROUNDS + rounds):
             for m in models:
-                phases = clocks[m].step(x, y, return_logits, optimizers[m])
+                phases = clocks[m].step(x, y, chunked, optimizers[m])
                 if r >= WARMUP_ROUNDS:
                     runs[m, p].append(phases)
     return runs
 
 
-def peak_bytes(model, x, y, return_logits):
+def peak_bytes(model, x, y, loss_fn):
     """(whole step, head + loss) peak live bytes above the start of each: CPU allocator events from the profiler,
     whose running total counts what was allocated while it ran (the gradients included)."""
-    model(x, y, return_logits=return_logits)[1].backward()  # warm-up
+    model(x, y, loss_fn=loss_fn)[1].backward()  # warm-up
     model.zero_grad(set_to_none=True)
 
     def mark_head(*_):
@@ -140,7 +142,7 @@ def peak_bytes(model, x, y, return_logits):
 
     hook = model.norm_f.register_forward_hook(mark_head)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(x, y, return_logits=return_logits)[1].backward()
+        model(x, y, loss_fn=loss_fn)[1].backward()
     hook.remove()
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
@@ -187,7 +189,7 @@ def main():
     torch.manual_seed(0)
     model = get_model({**SHAPE, "seq_len": 1024})
     x, y = batch(8, 1024)
-    peaks = {p: peak_bytes(model, x, y, return_logits) for p, return_logits in PATHS.items()}
+    peaks = {p: peak_bytes(model, x, y, head_loss if chunked else None) for p, chunked in PATHS.items()}
     print(f"{'path':<12} {'step':>8} {'head+loss':>10}")
     for p, (step, head) in peaks.items():
         print(f"{p:<12} {step / 2**20:8.0f} {head / 2**20:10.0f}")

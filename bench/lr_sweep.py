@@ -2,7 +2,7 @@
 
     python bench/lr_sweep.py --sweep record              # today's default vs each of the record's settings, 3 seeds
     python bench/lr_sweep.py --sweep batch               # sqrt LR rule: all groups / Adam only / none, 4x batch
-    python bench/lr_sweep.py --sweep width --seeds 1     # Muon LR x0.25-x2, embedding LR x0.5 / x2, widths 64-256
+    python bench/lr_sweep.py --sweep width --seeds 1     # Muon LR x0.25-x2, embedding LR x0.5 / x2, widths 64-384
     python bench/lr_sweep.py --sweep record --lanes 2 --steps 100 --out runs/lr_sweep
 
 Every run is one train.py on the bench corpus (../shared/bench/setup.sh builds it) with --progress_by steps and a
@@ -41,7 +41,7 @@ RECORD = {  # modded-nanogpt's medium track (16 x 1024, the event's shape), each
 def sweeps(args):
     """{sweep: {variant: (flags, seeds)}}."""
     width_lr = {}
-    for width in (64, 128, 256):
+    for width in (64, 128, 256, 384):
         base = shape(width)
         for factor in (0.25, 0.5, 1, 2):
             width_lr[f"w{width}_muon_x{factor}"] = f"{base} --muon_lr {0.05 * factor:g}"

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One lane of the replan benchmark (BENCHMARKS.md, "When the numbers the plan leans on are wrong"): 3 seeds of l4w128
-# on the bench corpus with the organizers' flags, a binding --max_steps 40 and a step forecast 2x too fast
+# on the bench corpus with the organizers' flags, a binding --max_steps 40 and a step forecast that is off
 # (--auto_efficiency 0.4; EFFICIENCY=1.0 forecasts it too fast, the device slower than planned), pinned to one core.
 # BATCH sets the --batch_size floor (8; 2 lets the forced batch split into 6 micro-steps, room for the replan to go down).
 #   bash bench/replan_lane.sh CODE OUT CORE      e.g. an old checkout on core 0 and this one on core 1, side by side

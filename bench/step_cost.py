@@ -19,6 +19,7 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from model import GPTConfig, get_model  # noqa: E402
+from headloss import head_loss  # noqa: E402
 from muon import build_optimizers  # noqa: E402
 
 BEFORE = "bigram_mult=0,backout=0,ve_gate=0"  # the default before issue 37; "default" is the adopted set
@@ -63,7 +64,7 @@ def main():
         for spec, model, opts, times in runs:
             start = time.perf_counter()
             model.set_progress(0.5)
-            model(x[:, :-1], x[:, 1:], return_logits=False)[1].backward()
+            model(x[:, :-1], x[:, 1:], loss_fn=head_loss)[1].backward()
             for opt in opts:
                 opt.step()
             model.zero_grad(set_to_none=True)

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from model import get_model
+from headloss import compiled_head_loss, head_loss
 
 
 def best_of(fn, rounds):
@@ -43,17 +44,18 @@ def main(argv=None):
     shape = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head}
     model = get_model({"vocab_size": 32000, "seq_len": args.seq, **shape})
     model.compile_per_block()
+    compiled_loss = compiled_head_loss()
     x, y = (torch.randint(0, 32000, (args.batch, args.seq)) for _ in range(2))
 
     def train_step():
-        model(x, y, return_logits=False)[1].backward()
+        model(x, y, loss_fn=compiled_loss)[1].backward()
 
     def compiled_grad_mode():
-        model(x, y, return_logits=False)[1].item()
+        model(x, y, loss_fn=compiled_loss)[1].item()
 
     def eager_no_grad():
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            model(x, y, return_logits=False)[1].item()
+            model(x, y, loss_fn=head_loss)[1].item()
 
     start = time.perf_counter()
     train_step()

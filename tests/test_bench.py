@@ -82,21 +82,22 @@ def test_every_lr_sweep_and_gpu_ab_variant_parses_in_train():
 
 def test_head_loss_phase_clock_splits_the_step_without_changing_it():
     """bench/head_loss.py's phases: each non-negative (the norm hook fired inside the forward), the loss math timed on
-    the chunked path only, the wrapped chunk_loss giving the unwrapped loss."""
+    the chunked path only, the timed chunk_loss giving the untimed loss."""
     import torch
 
     sys.path.insert(0, str(REPO / "bench"))
     import head_loss
     from model import get_model
+    from headloss import head_loss as loss_fn
 
     config = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512, "seq_len": 16}
     torch.manual_seed(0)
     model = get_model(config)
     x, y = torch.randint(0, 512, (2, 2, 16))
-    expected = model(x, y, return_logits=False)[1].item()
+    expected = model(x, y, loss_fn=loss_fn)[1].item()
     clock = head_loss.PhaseClock(model)
-    assert model(x, y, return_logits=False)[1].item() == expected
-    for return_logits in (False, True):
-        phases = clock.step(x, y, return_logits, ())
+    assert model(x, y, loss_fn=clock.loss_fn)[1].item() == expected
+    for chunked in (True, False):
+        phases = clock.step(x, y, chunked, ())
         assert all(ms >= 0 for ms in phases.values()), phases
-        assert (phases["loss math"] > 0) != return_logits, phases
+        assert (phases["loss math"] > 0) == chunked, phases

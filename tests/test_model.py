@@ -18,7 +18,10 @@ from torch.utils._pytree import tree_leaves
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import model as model_module  # noqa: E402
-from model import get_model, head_loss  # noqa: E402
+import headloss  # noqa: E402
+from model import get_model  # noqa: E402
+from headloss import compiled_head_loss, head_loss  # noqa: E402
+from report import planned_graphs  # noqa: E402
 
 # vocab 500 is not a multiple of 128, so the padded head is exercised too
 SMALL = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=500, seq_len=32)
@@ -275,13 +278,13 @@ def test_softcap_hand_written_backward_matches_autograd():
     assert torch.allclose(mine, reference)
 
 
-# ---- the chunked head + loss: forward(idx, targets, return_logits=False) ----
+# ---- the chunked head + loss (headloss.py): forward(idx, targets, loss_fn=head_loss) ----
 
 
 @pytest.fixture
 def chunks_of_24(monkeypatch):
     """24 rows a chunk at the padded vocabulary of 512: 2 x 32 tokens make chunks of 24, 24 and 16."""
-    monkeypatch.setitem(model_module.LOSS_CHUNK_BYTES, "cpu", 24 * 4 * 512)
+    monkeypatch.setitem(headloss.LOSS_CHUNK_BYTES, "cpu", 24 * 4 * 512)
 
 
 def loss_and_grads(model, idx, targets, autocast=False, **kwargs):
@@ -316,7 +319,7 @@ def test_chunked_loss_and_gradients_equal_the_full_logits_path(overrides, chunks
     idx, targets = capped_batch(model)
     full_loss, full_grads = loss_and_grads(model, idx, targets)
     assert full_loss > 2 * math.log(model.padded_vocab)  # far from the init loss: the cap is doing something
-    loss, grads = loss_and_grads(model, idx, targets, return_logits=False)
+    loss, grads = loss_and_grads(model, idx, targets, loss_fn=head_loss)
     assert abs(loss.item() - full_loss.item()) < 1e-5 and loss.dtype == torch.float32
     assert_grads_close(grads, full_grads, 1e-3)  # float32 sums in another order (the exact check: gradcheck below)
 
@@ -326,7 +329,7 @@ def test_chunked_loss_under_bf16_autocast(chunks_of_24):
     idx, targets = capped_batch(model)
     loss32, grads32 = loss_and_grads(model, idx, targets)
     full16, full_grads16 = loss_and_grads(model, idx, targets, autocast=True)
-    loss16, grads16 = loss_and_grads(model, idx, targets, autocast=True, return_logits=False)
+    loss16, grads16 = loss_and_grads(model, idx, targets, autocast=True, loss_fn=head_loss)
     assert loss16.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads16.values())
     assert abs(loss16.item() - full16.item()) < 2e-2 and abs(loss16.item() - loss32.item()) < 2e-2
     # the matrices' gradients within bf16 rounding (both paths are ~0.5% off float32; a scalar's sum can cancel)
@@ -366,33 +369,33 @@ class LargestOutput(TorchDispatchMode):
 def test_chunked_path_never_holds_the_full_logits(chunks_of_24):
     model = build(bigram_mult=0.0)  # its table (2,500 x 64) would outsize these logits
     idx, targets = tokens(4, 32), tokens(4, 32, seed=2)  # 128 x 512 logits: more than any weight (512 x 64)
-    for return_logits in (True, False):
+    for loss_fn in (None, head_loss):
         with LargestOutput() as largest:
-            model(idx, targets, return_logits=return_logits)[1].backward()
-        assert (largest.numel >= 4 * 32 * model.padded_vocab) == return_logits
+            model(idx, targets, loss_fn=loss_fn)[1].backward()
+        assert (largest.numel >= 4 * 32 * model.padded_vocab) == (loss_fn is None)
 
 
 def test_chunked_loss_for_evaluation_and_misuse(chunks_of_24):
     model = build(zero_init_proj=False)
     idx, targets = capped_batch(model)
     with torch.no_grad():
-        loss, full = model(idx, targets, return_logits=False)[1], model(idx, targets)[1]
+        loss, full = model(idx, targets, loss_fn=head_loss)[1], model(idx, targets)[1]
     assert abs(loss.item() - full.item()) < 1e-5 and not loss.requires_grad
     with pytest.raises(ValueError, match="targets"):
-        model(idx, return_logits=False)
+        model(idx, loss_fn=head_loss)
 
 
 @pytest.mark.parametrize("mode", [pytest.param("whole", marks=pytest.mark.slow), "per_block"])
 def test_compiled_training_step_matches_eager(chunks_of_24, mode):
     model = build(n_layer=1, n_embd=32, n_head=2, zero_init_proj=False)
     idx, targets = capped_batch(model)
-    eager_loss, eager_grads = loss_and_grads(model, idx, targets, return_logits=False)
+    eager_loss, eager_grads = loss_and_grads(model, idx, targets, loss_fn=head_loss)
     if mode == "whole":
-        compiled = torch.compile(model, fullgraph=True)
+        compiled, loss_fn = torch.compile(model, fullgraph=True), head_loss
     else:  # train.py's: each block and the head's chunk loss math (chunks of 24, 24, 16: two graphs)
         model.compile_per_block()
-        compiled = model
-    compiled_loss, compiled_grads = loss_and_grads(compiled, idx, targets, return_logits=False)
+        compiled, loss_fn = model, compiled_head_loss()
+    compiled_loss, compiled_grads = loss_and_grads(compiled, idx, targets, loss_fn=loss_fn)
     assert abs(compiled_loss.item() - eager_loss.item()) < 1e-5
     assert_grads_close(compiled_grads, eager_grads, 1e-4)
     assert all("_orig_mod" not in name for name in model.state_dict())
@@ -403,9 +406,9 @@ def test_compiled_uncapped_chunk_loss_matches_eager():
     x = torch.randn(40, 16, generator=gen, requires_grad=True)
     weight = torch.randn(100, 16, generator=gen, requires_grad=True)
     targets = torch.randint(0, 100, (40,), generator=gen)
-    compiled = torch.compile(model_module.chunk_loss, fullgraph=True, dynamic=False)
+    compiled = torch.compile(headloss.chunk_loss, fullgraph=True, dynamic=False)
     results = []
-    for chunk_fn in (model_module.chunk_loss, compiled):
+    for chunk_fn in (headloss.chunk_loss, compiled):
         loss = head_loss(x, weight, targets, 0.0, rows=24, chunk_fn=chunk_fn)
         results.append((loss, *torch.autograd.grad(loss, (x, weight))))
     for eager, compiled in zip(*results):
@@ -498,14 +501,14 @@ def test_param_counts(overrides):
 
 
 def test_chunk_rows_are_tiles_of_128_that_divide_the_micro_batch_when_they_can():
-    event_cuda = model_module.LOSS_CHUNK_BYTES["cuda"]
+    event_cuda = headloss.LOSS_CHUNK_BYTES["cuda"]
     # l16w1024, micro-batch 26 x 1024 tokens, 32K vocabulary: 8 equal chunks of 3,328 rows (512 MB caps at 4,096)
-    assert model_module.chunk_rows(26 * 1024, 32000, event_cuda) == 3328
-    assert model_module.chunk_rows(8 * 1024, 32000, model_module.LOSS_CHUNK_BYTES["cpu"]) == 512
+    assert headloss.chunk_rows(26 * 1024, 32000, event_cuda) == 3328
+    assert headloss.chunk_rows(8 * 1024, 32000, headloss.LOSS_CHUNK_BYTES["cpu"]) == 512
     # 37 x 128 rows: no tile multiple in the upper half of the cap divides it, so the last chunk is ragged
-    assert model_module.chunk_rows(37 * 128, 32000, event_cuda) == 4096
-    assert model_module.chunk_rows(1000, 32000, event_cuda) == 1000  # all rows fit in one chunk
+    assert headloss.chunk_rows(37 * 128, 32000, event_cuda) == 4096
+    assert headloss.chunk_rows(1000, 32000, event_cuda) == 1000  # all rows fit in one chunk
     model = get_model({"vocab_size": 32000, "n_layer": 16, "n_head": 2, "n_embd": 32})
-    assert model.compiled_graphs(26 * 1024, "cuda") == 3  # two kinds of block, one chunk shape
-    assert model.compiled_graphs(37 * 128, "cuda") == 4  # and a ragged last chunk
-    assert get_model({"vocab_size": 512, "n_layer": 2, "value_embeds": False}).compiled_graphs(64, "cpu") == 2
+    assert planned_graphs(model, 26 * 1024, "cuda") == 3  # two kinds of block, one chunk shape
+    assert planned_graphs(model, 37 * 128, "cuda") == 4  # and a ragged last chunk
+    assert planned_graphs(get_model({"vocab_size": 512, "n_layer": 2, "value_embeds": False}), 64, "cpu") == 2

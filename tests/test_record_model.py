@@ -14,6 +14,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from model import bigram_hash, get_model  # noqa: E402
+from headloss import compiled_head_loss, head_loss  # noqa: E402
+from report import planned_graphs  # noqa: E402
 from muon import build_optimizers  # noqa: E402
 
 TINY = dict(n_layer=4, n_embd=32, n_head=2, vocab_size=300, seq_len=16)
@@ -40,7 +42,7 @@ def train(model, steps, progress=lambda step: 0.0):
     for step in range(steps):
         model.set_progress(progress(step))
         idx, targets = batch(seed=step)
-        loss = model(idx, targets, return_logits=False)[1]
+        loss = model(idx, targets, loss_fn=head_loss)[1]
         loss.backward()
         for opt in opts:
             opt.step()
@@ -157,7 +159,7 @@ def test_tied_phase_steps_one_shared_weight_then_splits():
     ref = []
     for step in range(3):
         idx, targets = batch(seed=step)
-        loss = tied(idx, targets, return_logits=False)[1]
+        loss = tied(idx, targets, loss_fn=head_loss)[1]
         loss.backward()
         for opt in opts:
             opt.step()
@@ -196,14 +198,15 @@ def test_param_counts_with_every_switch():
 def test_compiled_training_with_every_switch_matches_eager_and_compiles_the_planned_graphs():
     model = build(**ON, zero_init_proj=False)
     idx, targets = batch()
-    eager = model(idx, targets, return_logits=False)[1]
+    eager = model(idx, targets, loss_fn=head_loss)[1]
     torch._dynamo.reset()
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # other tests in this process compiled too
     model.compile_per_block()
-    loss = model(idx, targets, return_logits=False)[1]
+    loss_fn = compiled_head_loss()
+    loss = model(idx, targets, loss_fn=loss_fn)[1]
     loss.backward()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
     with torch.compiler.set_stance("fail_on_recompile"):  # the second step compiles nothing
-        model(idx, targets, return_logits=False)[1].backward()
+        model(idx, targets, loss_fn=loss_fn)[1].backward()
     assert abs(loss.item() - eager.item()) < 1e-5
-    assert graphs == model.compiled_graphs(idx.numel(), "cpu")
+    assert graphs == planned_graphs(model, idx.numel(), "cpu")
