@@ -9,10 +9,10 @@ anything is written, as is any folder whose files would overwrite a source bundl
 model.py is copied byte for byte (the organizers import it alone). The modules of PASTED go into train.py above
 its own code, each after the ones it imports and under one line saying what it is for (SECTIONS): its docstring as a
 comment block (muon.py's distributed contract is what a reader of the submission needs), its imports merged into one
-block at the top, and of its code only what a training run can reach: the top-level definitions that train.py's code
-names, directly or through other kept code. So data_cli.py and synthetic.py's writer stay behind. A top-level name
-bound in two files is an error. A table of contents after the imports lists the sections, train.py's own last.
-tests/test_ship.py checks that the bundle trains step for step like the repo.
+sorted block at the top (import_block), and of its code only what a training run can reach: the top-level definitions
+that train.py's code names, directly or through other kept code. So data_cli.py and synthetic.py's writer stay
+behind. A top-level name bound in two files is an error. A table of contents after the imports lists the sections,
+train.py's own last. tests/test_ship.py checks that the bundle trains step for step like the repo.
 """
 
 import argparse
@@ -103,6 +103,28 @@ def contents(purpose):
     )
 
 
+def import_block(imports):
+    """Every pasted module's imports as one block, as a reader expects them: the standard library, then the
+    requirements, then model.py; `import X` lines sorted, `from X import` lines merged by module."""
+    groups = [{}, {}, {}]  # line -> None, an ordered set per group
+
+    def group(module):
+        root = module.split(".")[0]
+        return 0 if root in sys.stdlib_module_names else 2 if root == SHIPPED else 1
+
+    merged = {}
+    for node in imports:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                groups[group(alias.name)][f"import {ast.unparse(alias)}"] = None
+        else:
+            merged.setdefault(node.module, set()).update(ast.unparse(alias) for alias in node.names)
+    for module, names in merged.items():
+        groups[group(module)][f"from {module} import {', '.join(sorted(names))}"] = None
+    by_kind = [sorted(lines, key=lambda line: (line.startswith("from"), line)) for lines in groups]
+    return "\n\n".join("\n".join(lines) for lines in by_kind if lines)
+
+
 def bundle_files(src_dir, pasted=PASTED):
     """{file name: text} of the submission built from the sources in src_dir."""
     src_dir = pathlib.Path(src_dir)
@@ -144,7 +166,7 @@ def bundle_files(src_dir, pasted=PASTED):
         raise BundleError(f"{', '.join(missing)} would be needed at run time but is not in REQUIREMENTS.")
     header = ast.get_docstring(trees["train"], clean=False)
     purpose = purposes(trees)
-    parts = [f'"""{header}"""', "\n".join(dict.fromkeys(ast.unparse(n) for n in imports)), contents(purpose)]
+    parts = [f'"""{header}"""', import_block(imports), contents(purpose)]
     for name in pasted:
         lines = files[name].read_text().splitlines()
         doc = ast.get_docstring(trees[name]) or ""

@@ -185,6 +185,20 @@ def write_project(folder, files):
     return folder
 
 
+def test_bundle_imports_read_as_one_sorted_block_stdlib_then_requirements_then_model(submission):
+    tree = ast.parse((submission / "train.py").read_text())
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert tree.body[1 : 1 + len(imports)] == imports  # one block, right after the docstring
+    modules = [node.names[0].name if isinstance(node, ast.Import) else node.module for node in imports]
+    kinds = [0 if m.split(".")[0] in sys.stdlib_module_names else 2 if m == "model" else 1 for m in modules]
+    assert kinds == sorted(kinds) and set(kinds) == {0, 1, 2}
+    froms = [node.module for node in imports if isinstance(node, ast.ImportFrom)]
+    assert len(froms) == len(set(froms))  # one `from X import` line per module, names merged
+    for kind in (0, 1):
+        lines = [ast.unparse(node) for node, k in zip(imports, kinds) if k == kind]
+        assert lines == sorted(lines, key=lambda line: (line.startswith("from"), line))
+
+
 def test_bundle_keeps_what_train_reaches_merges_imports_and_runs_the_same(tmp_path):
     project = write_project(
         tmp_path / "project",
