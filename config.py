@@ -112,7 +112,7 @@ class Hyperparameters:
     decay_frac: float = flag(
         0.7, "WSD: fraction of the run in the final linear decay (0.7: the 16 x 1024 record's)", above=0.0, at_most=1.0
     )
-    # floor 0.15: mnGPT short track (train_gpt.py), -1.2 s. Here: vs 0 -0.017 (2 seeds, a tie); the record decides
+    # floor 0.15: mnGPT short track (train_gpt.py), -1.2 s. Here: vs 0 -0.024 (3 seeds, a tie); the record decides
     min_lr_frac: float = flag(
         0.15,
         "the LR floor the decay ends at, as a fraction of each group's LR (0.15: the short-track record's)",
@@ -122,31 +122,31 @@ class Hyperparameters:
         "muon", "muon: Muon for hidden matrices + AdamW; adamw: AdamW for everything", choices=("muon", "adamw")
     )
     # 0.025: mnGPT short track's 0.05 (width 768, ~0.5M tokens) halved. Here at l4w128: 0.025 vs 0.05 -0.041 to -0.055
-    # on 3/3 seeds; 0.0125 ties 0.025; widths 128 and 256 both prefer x0.5 (no move), 64 x2 (BENCHMARKS.md, optimizer)
+    # on 3/3 seeds; 0.0125 ties 0.025; widths 128, 256 and 384 all prefer x0.5 (no move), 64 x2 (BENCHMARKS.md)
     muon_lr: float = flag(
-        0.025, "Muon LR of the hidden matrices (the CPU's best at widths 128-256, BENCHMARKS.md)", **LR
+        0.025, "Muon LR of the hidden matrices (the CPU's best at widths 128-384, BENCHMARKS.md)", **LR
     )
     adamw_lr: float = flag(3e-3, "AdamW LR of the hidden matrices with --optimizer adamw", **LR)
-    # 0.6: mnGPT short track. Here: x0.5 -0.025, x2 +0.047 at width 64 (one seed, ties); kept
+    # 0.6: mnGPT short track. Here: x0.5 and x2 within 0.013 of it at widths 128-384, -0.025/+0.047 at 64: flat; kept
     embed_lr: float = flag(0.6, "AdamW LR of the embedding tables", **LR)
     head_lr: float = flag(0.008, "AdamW LR of the output head (and of a tied embedding)", **LR)
     scalar_lr: float = flag(0.04, "AdamW LR of gains and scalars", **LR)
     # sqrt: Malladi et al. 2022 (arXiv:2205.10287); mnGPT short track scales every group with its batch. Here at 4x the
-    # batch: none +0.30-0.39 (beyond noise), sqrt_adam +0.016 (2 seeds, a tie); BENCHMARKS.md, step cap and optimizer
+    # batch: none +0.24-0.39 (3 seeds, beyond noise), sqrt_adam +0.039 (3 seeds, a tie); BENCHMARKS.md, optimizer
     lr_rule: str = flag(
         "sqrt",
         "sqrt: every LR x sqrt(tokens per step / the recipe's minimum) when the batch is larger (BENCHMARKS.md, "
         "the step cap); sqrt_adam: the AdamW groups' only, Muon's as given; none: the LRs as given",
         choices=("none", "sqrt", "sqrt_adam"),
     )
-    # 1.2 x LR, cautious: mnGPT medium track (16 x 1024), weight decay -72 s. Here: -0.017 (2 seeds, a tie); adopted
+    # 1.2 x LR, cautious: mnGPT medium track (16 x 1024), weight decay -72 s. Here: -0.013 (3 seeds, a tie); adopted
     muon_weight_decay: float = flag(
         1.2, "Muon's weight decay, times the LR, cautious (only where update and weight agree in sign)", **LR
     )
     # 0.005 x LR, cautious: mnGPT medium track's Adam groups. Here: measured with Muon's 1.2 (above)
     adam_weight_decay: float = flag(0.005, "the same on the AdamW embedding, head and hidden tables", **LR)
-    # Polar Express: Amsel et al. 2025 (arXiv:2505.16932); mnGPT "tuned Newton-Schulz coefficients" -24 s. Here: +0.023
-    # (2 seeds, a tie); 5 iterations on real gradients: error 0.29 vs the quintic's 0.40 (bench/ns_error.py); adopted
+    # Polar Express: Amsel et al. 2025 (arXiv:2505.16932); mnGPT "tuned Newton-Schulz coefficients" -24 s. Here: +0.021
+    # (3 seeds, a tie); 5 iterations on real gradients: error 0.29 vs the quintic's 0.40 (bench/ns_error.py); adopted
     ns_coeffs: str = flag(
         "polar_express",
         "Newton-Schulz polynomials: quintic (one fixed, Keller Jordan's) or polar_express (one per iteration, "
