@@ -39,7 +39,7 @@ if [[ -n ${DATA:-} ]]; then
 else  # synthetic 32K-vocab tokens; the last chunk is moved out of the training folder: the held-out windows
     data=$OUT/data val=$OUT/val/chunk_0001.bin
     if [[ ! -f $val ]]; then
-        python data.py synth "$data" --tokens "$TOKENS" --chunk_tokens "$CHUNK" --vocab_size 32000 >/dev/null
+        python data_cli.py synth "$data" --tokens "$TOKENS" --chunk_tokens "$CHUNK" --vocab_size 32000 >/dev/null
         mkdir -p "$OUT/val" && mv "$data/chunk_0001.bin" "$val"
     fi
 fi

@@ -92,7 +92,14 @@ loader.close()
 print(f"{dev.type} checks passed")
 EOF
 
-part 30 "synthetic data" python data_cli.py synth "$OUT/data" --tokens "$TOKENS" --vocab_size 32000
+# a rerun on the same machine keeps the data a finished synth left (device seconds); a partial one is written anew
+if [[ -f $OUT/data.done ]]; then
+    echo "== synthetic data: kept from an earlier run ($OUT/data)" | tee -a "$RESULTS"
+else
+    rm -rf "$OUT/data"
+    part 30 "synthetic data" bash -c 'python data_cli.py synth "$1" --tokens "$2" --vocab_size 32000 && touch "$1.done"' \
+        _ "$OUT/data" "$TOKENS"
+fi
 # the whole log goes to a file; the console and results get its last lines without the progress bar
 # shellcheck disable=SC2086
 part "$(awk "BEGIN { print int($TRAIN_MIN * 60 + 90) }")" "${TRAIN_MIN}-minute compiled train.py run: $TRAIN_SHAPE" \
