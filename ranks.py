@@ -168,6 +168,14 @@ def leave_together(error, device, world, rank):
     sys.exit(2)
 
 
+def lost_contact(error):
+    """Whether a RuntimeError from training is a peer gone or frozen: a DistError, or a collective's timeout or broken
+    connection surfacing elsewhere (gloo inside DDP's gradient hook: "Application timeout caused pair closure")."""
+    return isinstance(error, dist.DistError) or any(
+        word in str(error).lower() for word in ("timed out", "timeout", "connection")
+    )
+
+
 def fail(message, code=2):
     print(message, file=sys.stderr, flush=True)
     sys.exit(code)

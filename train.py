@@ -36,7 +36,7 @@ from plan import MIN_TOKENS_PER_STEP
 from windows import DataChanged
 from headloss import head_loss
 from launch import agreed_budget, build_plan, launch, resolve
-from ranks import fail
+from ranks import fail, lost_contact
 from streams import guard_log_streams
 from report import Logger, human_summary, summary_row
 
@@ -93,8 +93,7 @@ def main(argv=None):
     try:
         saved = train(run)
     except RuntimeError as e:  # a dead or frozen rank: end now with the last checkpoint, not at the SLURM wall
-        lost = isinstance(e, dist.DistError) or any(w in str(e).lower() for w in ("timed out", "connection"))
-        if run.world == 1 or not lost:
+        if run.world == 1 or not lost_contact(e):
             raise
         run.checkpointer.wait()
         fail(

@@ -506,7 +506,7 @@ def test_two_gloo_ranks_with_compile_and_bf16_stop_on_the_clock_and_load(tmp_pat
         "--autocast",
         "bf16",
         "--time_limit_min",
-        "1.5",
+        "1.0",
         "--save_every_min",
         "0",
     ]
@@ -730,29 +730,28 @@ def test_the_sqrt_lr_rule_scales_only_a_batch_above_the_recipes():
 
 @pytest.mark.slow
 def test_a_cold_compile_of_over_a_third_of_the_budget_still_runs_the_whole_schedule(tmp_path):
-    """Issue 32's command with an empty inductor cache: the compile step takes ~half the budget on CPU; the steps
-    after it run the stable phase at LR 1, then the decay to the floor, and score near the same run warm."""
+    """Issue 32's command with an empty inductor cache, its first step held to >= 40% of the budget whatever this
+    machine's compile takes (17-30 s here): the steps after it run the stable phase at LR 1, then the decay to the
+    floor, and learn (the bug's run, frozen at the floor from step 2, scored 6.82 on this chain, ln 1024 = 6.93)."""
     args = [*SHAPE, "--compile", "--seq_len", "64", "--batch_size", "4", "--micro_batch", "4"]
     args += ["--time_limit_min", "1", "--log_every_s", "0", "--save_every_min", "0"]
     env = {**child_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    runs = {}
-    for cache in ("cold", "warm"):
-        out = tmp_path / cache
-        out.mkdir()
-        run_args = [*args, "--checkpoint_path", str(out / "ckpt.pt"), "--metrics_path", str(out / "metrics.jsonl")]
-        proc = subprocess.run(command(run_args, 1), cwd=out, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[cache] = read_metrics(out / "metrics.jsonl")
-    rows, _, summary = runs["cold"]
+    held = (
+        f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import train; first = train.first_compiled_step\n"
+        "def long_first(*a):\n    t0 = time.perf_counter(); out = first(*a)\n"
+        "    time.sleep(max(0.0, 24.0 - (time.perf_counter() - t0))); return out\n"
+        f"train.first_compiled_step = long_first; train.main({args!r})"
+    )
+    proc = subprocess.run([sys.executable, "-c", held], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["compile_s"] > summary["budget_s"] / 3, summary  # the case item 1 is about
     start, budget = summary["compile_s"], summary["budget_s"]
     stable_share = 1 - config.Hyperparameters().decay_frac - 0.05  # the default schedule's stable phase, less a margin
     stable = [r for r in rows if r["step"] >= 1 and r["elapsed_s"] < start + stable_share * (budget - start)]
     assert len(stable) > 5 and all(r["lr_frac"] == 1.0 for r in stable), [r["lr_frac"] for r in stable]
     assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR and summary["stop_reason"] == "time_limit"
-    warm = runs["warm"][2]
-    assert warm["compile_s"] < summary["compile_s"] / 2, (warm["compile_s"], summary["compile_s"])
-    assert abs(summary["val_loss"] - warm["val_loss"]) < 0.3, (summary["val_loss"], warm["val_loss"])
+    assert summary["val_loss"] < 5.0, summary["val_loss"]
 
 
 @pytest.mark.parametrize("rule, muon_scale", [("sqrt", 2.0), ("sqrt_adam", 1.0), ("none", 1.0)])
