@@ -190,7 +190,7 @@ def file_identity(path):
     a bind mount). A copy of paths.file_identity: bundle.py imports nothing of ours."""
     try:
         info = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):
         return None
     return info.st_dev, info.st_ino
 

@@ -95,6 +95,7 @@ class WindowReader:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise ValueError(f"{array.filename} is no longer a regular file")
+        os.set_blocking(fd, True)  # reads of a regular file, as before
         self._files[index] = open(fd, "rb")
         return self._files[index]
 
