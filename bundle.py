@@ -3,8 +3,10 @@
     python bundle.py OUT_DIR            # write OUT_DIR/{model.py, train.py, requirements.txt}
     python bundle.py OUT_DIR --check    # exit 1 if OUT_DIR is not what bundling would write now
 
-OUT_DIR is a separate folder, new or not: the repo folder, a link to it, a file or "" is refused (exit 2) before
-anything is written, as is any folder whose files would overwrite a source bundle.py reads.
+OUT_DIR is a separate folder, new or not: the repo folder, a link or a bind mount of it, a file or "" is refused (exit
+2) before anything is written, as is any folder whose files would overwrite a source bundle.py reads (files are
+compared by identity, so a hard link is caught too). Each file is written under a temporary name and renamed into
+place, so a link in OUT_DIR is replaced, never written through.
 
 model.py is copied byte for byte (the organizers import it alone). The modules of PASTED go into train.py above
 its own code, each after the ones it imports and under one line saying what it is for (SECTIONS): its docstring as a
@@ -17,6 +19,7 @@ train.py's own last. tests/test_ship.py checks that the bundle trains step for s
 
 import argparse
 import ast
+import os
 import pathlib
 import sys
 
@@ -182,24 +185,50 @@ def bundle_files(src_dir, pasted=PASTED):
     }
 
 
+def file_identity(path):
+    """(device, inode) of the file path reaches, or None: the same for every path to one file (a hard link, a symlink,
+    a bind mount). A copy of paths.file_identity: bundle.py imports nothing of ours."""
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino
+
+
 def check_out_dir(out_dir, src_dir, names):
     """Refuse, before anything is written, an OUT_DIR that is not a separate folder: one whose files would overwrite
-    a source being read (the repo itself, a link to it, a link to one of its files), a file, or nothing at all."""
+    a source being read (the repo itself, a link or a mount of it, a link to one of its files), a file, or nothing."""
     if not out_dir:
         raise BundleError("OUT_DIR is empty; give the folder to write the submission into.")
     out = pathlib.Path(out_dir)
     there = next(p for p in [out, *out.absolute().parents] if p.exists())  # the first part that exists
     if not there.is_dir():
         raise BundleError(f"OUT_DIR {out} is {'a file' if there == out else f'under the file {there}'}, not a folder.")
-    sources = {(pathlib.Path(src_dir) / f"{name}.py").resolve() for name in [*PASTED, "train", SHIPPED]}
+    paths = [pathlib.Path(src_dir) / f"{name}.py" for name in [*PASTED, "train", SHIPPED]]
+    sources = {file_identity(path): path.resolve() for path in paths}
+    sources.pop(None, None)  # a source that is not there (bundle_files says so first)
     for name in names:
         target = out / name
-        if target.resolve() in sources:  # resolve() follows links, so a link to the repo is the repo
+        if (source := sources.get(file_identity(target))) is not None:
             raise BundleError(
-                f"OUT_DIR {out} would overwrite {target.resolve()}, a source bundle.py reads; give a separate folder."
+                f"OUT_DIR {out} would overwrite {source}, a source bundle.py reads; give a separate folder."
             )
         if target.exists() and not target.is_file():
             raise BundleError(f"OUT_DIR {out} holds {name} as a folder, so the submission's {name} cannot be written.")
+
+
+def write_replacing(path, text):
+    """Write text under a temporary name beside path, then rename it over path: a link at path is replaced, never
+    written through, and a write that fails leaves the old file."""
+    tmp = path.with_name(f".{path.name}.bundling")
+    tmp.unlink(missing_ok=True)
+    try:
+        with open(tmp, "x") as file:  # "x": a link planted at the temporary name is not followed either
+            file.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def main(argv=None):
@@ -216,7 +245,7 @@ def main(argv=None):
         if not args.check:
             out.mkdir(parents=True, exist_ok=True)
             for name, text in files.items():
-                (out / name).write_text(text)
+                write_replacing(out / name, text)
     except (BundleError, SyntaxError, OSError) as e:  # one sentence, exit 2 as eval.py
         fail(e)
     if args.check:

@@ -33,7 +33,7 @@ from plan import (
     make_plan,
 )
 from checkpoint import Checkpointer
-from paths import check_outputs, lock_metrics, training_twin
+from paths import check_outputs, lock_outputs, training_twin
 from ranks import (
     bf16_grad_hook,
     fail,
@@ -219,7 +219,7 @@ def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
             Deal(rank, world, seed=hp.seed),
             device=device,
         )
-        metrics = lock_metrics(hp.metrics_path, say) if rank == 0 else None
+        metrics = lock_outputs(hp, say) if rank == 0 else None
         error = None
     except Exception as e:
         error = sentence(e)

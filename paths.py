@@ -1,5 +1,5 @@
 """The files a run reads and writes, checked before anything is written: an output path that would destroy an input
-or land somewhere unexpected, a metrics file another running train.py holds, a validation file that is a copy of a
+or land somewhere unexpected, an output another running train.py holds, a validation file that is a copy of a
 training file. launch.checked_inputs calls these; a failure is a ValueError or an OSError, one sentence.
 """
 
@@ -9,7 +9,7 @@ import fcntl
 import os
 import stat
 
-from checkpoint import check_writable
+from checkpoint import check_writable, name_max
 from data import find_token_files
 
 
@@ -68,19 +68,39 @@ def training_twin(val_file, data_dir, head_bytes=1 << 20):
     return None
 
 
-def lock_metrics(path, say):
-    """Open the metrics file for this run alone: a second run on the same path is an error, not mixed rows.
-    Storage that refuses locks (ENOLCK, ENOSYS: older Lustre, some NFS) is not "in use": the run goes on unlocked."""
-    handle = open(path, "a")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            say(f"warning: {path} cannot be locked here ({e.strerror}); a second run on it would not be refused")
-            return handle
-        handle.close()
-        raise ValueError(
-            f"--metrics_path {path} is in use by another running train.py; give this run another "
-            f"--checkpoint_path or --metrics_path"
-        ) from None
-    return handle
+OUTPUT_LOCKS = []  # this process's output locks, open for its whole life: closing a lock file releases its lock
+
+
+def lock_outputs(hp, say):
+    """Own the checkpoint and the metrics file before writing either, and return the metrics file, open to append: a
+    second train.py on either path (as its checkpoint or its metrics) is refused, one sentence. The checkpoint first:
+    once it is ours, another metrics path is a safe way round a metrics file in use."""
+    advice = {
+        "checkpoint_path": "wait for it to end, or give this run its own --checkpoint_path and --metrics_path",
+        "metrics_path": "give this run its own --metrics_path",
+    }
+    taken, unlockable = [], []
+    for flag in ("checkpoint_path", "metrics_path"):
+        path = getattr(hp, flag)
+        taken.append(open(lock_file(path), "a"))
+        try:
+            fcntl.flock(taken[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # storage without locks: not "in use"
+                unlockable.append(f"{path} ({e.strerror})")
+                continue
+            for handle in taken:
+                handle.close()
+            raise ValueError(f"--{flag} {path} is in use by another running train.py; {advice[flag]}") from None
+    if unlockable:
+        say(f"warning: {' and '.join(unlockable)} cannot be locked here; a second run on them would not be refused")
+    OUTPUT_LOCKS.extend(taken)
+    return open(hp.metrics_path, "a")
+
+
+def lock_file(path):
+    """The file an output's lock is held on: a hidden sibling (.NAME.lock), which stays when the output is replaced
+    by a rename (every checkpoint save), so the lock outlives the saves; the name is cut to fit the file system."""
+    folder, name = os.path.split(path)
+    room = name_max(os.path.abspath(folder or ".")) - len("..lock")
+    return os.path.join(folder, f".{name.encode()[:room].decode(errors='ignore')}.lock")

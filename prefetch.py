@@ -4,7 +4,9 @@ stream of (epoch, windows) by a daemon thread that keeps .depth batches ready.
 prefetch_tokens worth (default: PREFETCH_TOKENS on CUDA, where a storage stall on one rank holds every rank; 2
 batches elsewhere), in a fixed ring of host buffers, pinned on CUDA and copied with non_blocking=True; a slot is
 refilled only after the caller took the next batch and, on CUDA, after its copy's event. Each batch served is the
-caller's own tensor. An error in the stream is raised by the next call to next(), which closes the prefetcher.
+caller's own tensor. Whatever ends the thread but close() (an error in the stream or in packing, of any type) is
+raised by the next call to next() and every call after it, as windows.DataChanged: the batches stop, and the caller
+stops the run with what it trained instead of waiting for a batch that is not coming.
 """
 
 import queue
@@ -12,6 +14,8 @@ import threading
 from contextlib import nullcontext
 
 import torch
+
+from windows import DataChanged
 
 # Loader prefetch on CUDA, as a token budget. Event arithmetic: a B300 at ~40% of 2.25 PFLOP/s bf16 on a
 # ~1.5 GFLOP/token model trains ~600K tokens/s, so a 1 s storage stall on one rank is ~600K tokens, and one
@@ -39,7 +43,7 @@ class Prefetcher:
             self._ring = torch.empty(slots, 2, batch_size, seq_len, dtype=torch.int64, pin_memory=self._pin)
         self._copied = [torch.cuda.Event() for _ in range(slots)] if self._pin else None
         self._queue = queue.Queue(maxsize=self.depth)
-        self._stop = threading.Event()
+        self._stop, self._error = threading.Event(), None
         self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
         self._thread.start()
 
@@ -71,7 +75,7 @@ class Prefetcher:
             for item in self._fill():
                 if not self._put(item):
                     return
-        except Exception as error:  # handed to the training loop, which re-raises it
+        except BaseException as error:  # any end but close(): the caller must never wait on an empty queue
             self._put(error)
 
     def _put(self, item):
@@ -87,12 +91,18 @@ class Prefetcher:
         return self
 
     def __next__(self):
+        if self._error is not None:
+            raise self._error
         if self._stop.is_set():
             raise RuntimeError(f"this {type(self).__name__} is closed.")
         item = self._queue.get()
-        if isinstance(item, Exception):
+        if isinstance(item, BaseException):
             self.close()
-            raise item
+            self._error = item
+            if not isinstance(item, DataChanged):
+                self._error = DataChanged(f"the {self._thread.name} thread stopped: {type(item).__name__}: {item}")
+                self._error.__cause__ = item
+            raise self._error
         self.epoch, slot = item
         x, y = self._ring[slot]  # copied out: the slot is refilled once the next batch is taken
         x = x.to(self.device, non_blocking=self._pin, copy=True)

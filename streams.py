@@ -7,7 +7,10 @@ full disk (ENOSPC). None of them may end a run. guard_log_streams() wraps sys.st
 writer that looks them up: print, tqdm, warnings, the logging handlers pointed at them) in a LogStream: the first
 write or flush that fails marks the stream lost, points its descriptor at /dev/null (so C-level writers, child
 processes and Python's own flush at exit meet no error either), says so once on the other stream, and every later
-write is dropped. lost_log_streams() names the lost ones for the metrics summary. stdlib only.
+write is dropped. A stream that blocks instead (a descriptor a launcher, CI runner or ssh left non-blocking, whose
+reader is slow: EAGAIN) stays: a LogStream writes straight to its descriptor, unbuffered, and what a write cannot
+place now is dropped and counted, never kept in a buffer for a later write or the flush at exit to fail on.
+lost_log_streams() names the lost streams and the bytes dropped for the metrics summary. stdlib only.
 """
 
 import errno
@@ -21,26 +24,44 @@ LOST_LOG_STREAMS = []  # "stdout (broken pipe)", ...: this process's lost stream
 
 
 class LogStream:
-    """A text stream that stops writing, silently and for good, once its reader or storage is gone."""
+    """A text stream that stops writing, silently and for good, once its reader or storage is gone. Over its own
+    descriptor (sys.stdout's is 1) it writes straight to it: what would block is dropped and counted in .dropped."""
 
     def __init__(self, stream, name, fd, lost_list):
         self.stream, self.name, self.fd, self.lost_list = stream, name, fd, lost_list
         self.lost = None  # why it went away, once it did
+        self.dropped = 0  # bytes a write could not place without blocking
+        self.direct = descriptor(stream) == fd  # else (a test's capture, a StringIO) through the stream
 
     def write(self, text):
-        if self.lost is None:
+        if self.lost is None and self.direct:
+            data = text.encode(self.stream.encoding, self.stream.errors)  # a text the stream cannot encode is a bug
             try:
-                return self.stream.write(text)
+                self.count_dropped(write_now(self.fd, data))
+            except OSError as error:
+                self.went_away(error)
+        elif self.lost is None:
+            try:
+                self.stream.write(text)
             except (OSError, ValueError) as error:
                 self.went_away(error)
         return len(text)
 
-    def flush(self):
-        if self.lost is None:
+    def flush(self):  # a direct stream holds nothing to flush
+        if self.lost is None and not self.direct:
             try:
                 self.stream.flush()
             except (OSError, ValueError) as error:
                 self.went_away(error)
+
+    def count_dropped(self, n_bytes):
+        first = n_bytes and not self.dropped
+        self.dropped += n_bytes  # before the warning, which may be dropped on a shared pipe and come back here
+        if first:
+            self.say_on_the_other(
+                f"{self.name} would block (a non-blocking descriptor, a slow reader); what cannot be written at once "
+                f"is dropped and counted, training goes on"
+            )
 
     def went_away(self, error):
         if isinstance(error, OSError) and error.errno not in GONE_ERRNOS:
@@ -53,9 +74,12 @@ class LogStream:
             self.stream.flush()
         except (OSError, ValueError):
             pass
+        self.say_on_the_other(f"{self.name} went away ({self.lost}); writing to it stops here, training goes on")
+
+    def say_on_the_other(self, warning):
         other = sys.stderr if self.name == "stdout" else sys.stdout
         if isinstance(other, LogStream) and other is not self:
-            other.write(f"warning: {self.name} went away ({self.lost}); writing to it stops here, training goes on\n")
+            other.write(f"warning: {warning}\n")
             other.flush()
 
     def isatty(self):
@@ -69,6 +93,24 @@ class LogStream:
 
     def __getattr__(self, name):  # encoding, errors, buffer, ...: the wrapped stream's
         return getattr(self.stream, name)
+
+
+def descriptor(stream):
+    try:
+        return stream.fileno()
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both
+        return None
+
+
+def write_now(fd, data):
+    """Write data to fd as far as fd takes it without blocking: returns the count of bytes left unwritten."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            return len(view)
+    return 0
 
 
 def silence_fd(fd):
@@ -94,8 +136,10 @@ def fd_is_open(fd):
 
 
 def lost_log_streams():
-    """The streams this process lost, with why: [] when both stayed."""
-    return list(LOST_LOG_STREAMS)
+    """The streams this process lost, with why, and those that dropped writes that would block, with how many
+    bytes: [] when both stayed whole."""
+    slow = [s for s in (sys.stdout, sys.stderr) if isinstance(s, LogStream) and s.dropped]
+    return [*LOST_LOG_STREAMS, *(f"{s.name} ({s.dropped:,} bytes dropped: would block)" for s in slow)]
 
 
 def guard_log_streams(lost_list=LOST_LOG_STREAMS):
@@ -114,6 +158,10 @@ def guard_log_streams(lost_list=LOST_LOG_STREAMS):
             continue
         if stream is None:  # closed at start: a stream on /dev/null, already lost
             stream = open(os.devnull, "w")
+        try:  # what was written before goes first; a LogStream over the descriptor keeps nothing back
+            stream.flush()
+        except (OSError, ValueError):
+            pass
         guard = LogStream(stream, name, fd, lost_list)
         if any(entry.startswith(f"{name} (closed") for entry in lost_list):
             guard.lost = "closed at start"

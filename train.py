@@ -282,7 +282,7 @@ def host_sync(run, clock, log, state, guard, loss_sum, elapsed, amp):
                 return "diverged"
     stop_reason = "signal" if signalled else clock.sync(state.step, elapsed, paused_all, val_token_s_all)
     if data_rank:
-        run.say(f"stopping: rank {int(data_rank) - 1}: every training file changed under the run")
+        run.say(f"stopping: rank {int(data_rank) - 1} has no training data left to read (its stderr says why)")
         stop_reason = "data"
     log.notes()
     if run.rank == 0:
@@ -390,7 +390,7 @@ def first_compiled_step(run, accum, amp):
     try:
         step_loss = accumulate(run, accum, amp)
     except Exception as e:
-        if isinstance(e, dist.DistError):
+        if isinstance(e, (dist.DistError, DataChanged)):  # a lost peer or the data, not the compiler
             raise
         why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
         run.say(f"warning: compiling failed at the first step ({why}); training goes on eagerly")

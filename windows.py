@@ -5,14 +5,18 @@ than page faults on NFS; other arrays are sliced. doc_aligned: each window start
 disjoint; the tokens between a window's end and the next BOS are skipped), as in modded-nanogpt. vocab_size: every
 range read is checked (a max over its tokens, cheap next to the read); a window holding an id >= vocab_size is
 dropped and counted in .bad_windows, and the first bad id is named once on stderr. The start-up check samples, so
-sparse bad ids cost a few windows here instead of an IndexError mid-run. A file that shrinks or becomes unreadable
-under the run is skipped from then on, said once per file; with no file left, DataChanged. numpy + stdlib only.
+sparse bad ids cost a few windows here instead of an IndexError mid-run (on CUDA, a device-side assert that kills the
+context): no id >= vocab_size reaches the model. A file that shrinks, becomes unreadable or is replaced by something
+that is not a file under the run is skipped from then on, said once per file; with no file left, or no usable window
+left in a rank's share once it had some (its files rewritten with other ids), DataChanged. numpy + stdlib only.
 """
 
 import collections
 import dataclasses
 import itertools
 import mmap
+import os
+import stat
 import sys
 
 import numpy as np
@@ -25,7 +29,7 @@ MAX_OPEN_FILES = 64  # token files a reader holds open at once (each block read 
 
 
 class DataChanged(ValueError):
-    """The training files changed under a running job until none is left to read."""
+    """The training data changed under a running job until this rank has no usable window left to read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,29 +91,42 @@ class WindowReader:
             return self._files[index]
         if len(self._files) >= MAX_OPEN_FILES:
             self._files.popitem(last=False)[1].close()
-        self._files[index] = open(array.filename, "rb")
+        fd = os.open(array.filename, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put in the file's place must not block us
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ValueError(f"{array.filename} is no longer a regular file")
+        os.set_blocking(fd, True)  # reads of a regular file, as before
+        self._files[index] = open(fd, "rb")
         return self._files[index]
 
     def stream(self, epoch_ranges):
         """(epoch, windows) for each range that holds a usable window, epoch after epoch: epoch_ranges(epoch) gives
-        that epoch's (array index, start, end) token ranges. An epoch without a usable window is a ValueError."""
+        that epoch's (array index, start, end) token ranges. An epoch without a usable window is a ValueError when
+        none was ever served (data no window can be formed of) and DataChanged after (data that changed under the
+        run)."""
+        served = False
         for epoch in itertools.count():
-            found = False
+            found, bad_before = False, self.bad_windows
             for index, start, end in epoch_ranges(epoch):
                 windows = self.windows(index, start, end)
                 if len(windows):
-                    found = True
+                    found = served = True
                     yield epoch, windows
-            if not found and self.bad_windows:
-                raise ValueError(
-                    f"every window of rank {self.rank}'s share of the data holds a token id >= "
-                    f"vocab_size {self.spec.vocab_size}."
-                )
-            if not found:
-                raise ValueError(
+            if found:
+                continue
+            share = f"rank {self.rank}'s share of the data"
+            if self.bad_windows > bad_before:
+                why = f"every window of {share} holds a token id >= vocab_size {self.spec.vocab_size}"
+            elif self._damaged:
+                why = f"every file of {share} changed under the run"
+            else:
+                why = (
                     f"no window of seq_len + 1 = {self.spec.seq_len + 1} tokens starting at BOS id "
-                    f"{self.spec.bos_id} fits in the data; documents are too sparse for --doc_aligned."
+                    f"{self.spec.bos_id} fits in the data; documents are too sparse for --doc_aligned"
                 )
+            if served:
+                raise DataChanged(f"{why}; it held usable windows before: the data changed under the run.")
+            raise ValueError(f"{why}.")
 
     def windows(self, index, start, end):
         """All usable windows of tokens [start, end) of array index as a (k, seq_len + 1) array, from one contiguous

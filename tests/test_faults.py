@@ -1,7 +1,7 @@
 """What a hostile user or a failing cluster does to train.py: bad flags, bad data, NaNs, full disks, stalls, a
-frozen rank, a second run on the same path, the SLURM wall. Every run is a small subprocess on 2 CPU cores."""
+frozen rank, the SLURM wall (a second run on the same checkpoint: test_faults4.py). Every run is a small subprocess
+on 2 CPU cores."""
 
-import json
 import math
 import os
 import signal
@@ -289,26 +289,6 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path
     assert load_checkpoint(small_tmpfs / "ck.pt")[1]["step"] == 0 and not list(small_tmpfs.glob("*.tmp"))
 
 
-@pytest.mark.slow
-def test_a_second_run_on_the_same_path_is_refused_before_writing(tmp_path):
-    args = [*TINY, "--val_tokens", "8192", "--time_limit_min", "10"]
-    first = subprocess.Popen(
-        command(args, 1), cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        first_row(first, tmp_path / "metrics.jsonl")
-        second, _ = run_train(args, tmp_path, expect_rc=2)
-        assert "in use by another running train.py" in second.stderr
-        first.send_signal(signal.SIGTERM)
-        first.communicate(timeout=120)
-    finally:
-        first.kill()
-    assert first.returncode == 0
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows if "lr_frac" in r]
-    assert steps == sorted(steps) and rows[-1]["summary"]  # one run's rows only
-
-
 # ----------------------------------------------------------------------------- a frozen rank
 
 
@@ -366,6 +346,7 @@ def test_a_peer_lost_is_told_from_other_runtime_errors(message, lost):
 @pytest.mark.parametrize("code", ["ENOLCK", "ENOSYS", "EOPNOTSUPP"])
 def test_storage_that_refuses_locks_is_not_a_path_in_use(tmp_path, monkeypatch, code):
     import errno
+    import types
 
     import paths
 
@@ -373,13 +354,13 @@ def test_storage_that_refuses_locks_is_not_a_path_in_use(tmp_path, monkeypatch, 
         raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
 
     said = []
+    hp = types.SimpleNamespace(checkpoint_path=str(tmp_path / "ck.pt"), metrics_path=str(tmp_path / "metrics.jsonl"))
     monkeypatch.setattr(paths.fcntl, "flock", refuse)
-    handle = paths.lock_metrics(str(tmp_path / "metrics.jsonl"), said.append)
-    handle.close()
-    assert len(said) == 1 and "cannot be locked" in said[0]
+    paths.lock_outputs(hp, said.append).close()
+    assert len(said) == 1 and "cannot be locked" in said[0]  # one warning for both outputs
     monkeypatch.setattr(paths.fcntl, "flock", lambda h, op: (_ for _ in ()).throw(BlockingIOError(errno.EAGAIN, "")))
     with pytest.raises(ValueError, match="in use by another running train.py"):
-        paths.lock_metrics(str(tmp_path / "metrics.jsonl"), said.append)
+        paths.lock_outputs(hp, said.append)
 
 
 def test_each_rank_finds_its_gpu_under_torchrun_and_under_one_gpu_per_task():

@@ -518,6 +518,7 @@ def snapshot(folder):
         (".", "link_to_src", "src", "OUT_DIR link_to_src would overwrite SRC/model.py"),
         (".", "src", "link_to_src", "OUT_DIR src would overwrite SRC/model.py"),
         (".", "linked_train", "src", "OUT_DIR linked_train would overwrite SRC/train.py"),
+        (".", "hard_linked_train", "src", "OUT_DIR hard_linked_train would overwrite SRC/train.py"),
         (".", "a_file", "src", "OUT_DIR a_file is a file, not a folder"),
         (".", "a_file/sub", "src", "OUT_DIR a_file/sub is under the file TMP/a_file, not a folder"),
         (".", "holds_a_folder", "src", "OUT_DIR holds_a_folder holds model.py as a folder"),
@@ -531,6 +532,8 @@ def test_bundle_refuses_an_out_dir_that_is_not_a_separate_folder(
     (tmp_path / "link_to_src").symlink_to(tmp_path / "src")
     (tmp_path / "linked_train").mkdir()
     (tmp_path / "linked_train" / "train.py").symlink_to(tmp_path / "src" / "train.py")
+    (tmp_path / "hard_linked_train").mkdir()
+    os.link(tmp_path / "src" / "train.py", tmp_path / "hard_linked_train" / "train.py")  # a path check passes it
     (tmp_path / "holds_a_folder" / "model.py").mkdir(parents=True)
     (tmp_path / "a_file").write_text("not a folder\n")
     before = snapshot(tmp_path)
@@ -541,6 +544,42 @@ def test_bundle_refuses_an_out_dir_that_is_not_a_separate_folder(
     message = message.replace("SRC", str((tmp_path / "src").resolve())).replace("TMP", str(tmp_path))
     assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
     assert snapshot(tmp_path) == before  # refused before anything was written
+
+
+def test_a_bind_mount_of_the_source_is_the_source_to_bundle_too(tmp_path, capsys):
+    src = source_copy(tmp_path / "src")
+    (tmp_path / "bound").mkdir()
+    if subprocess.run(["mount", "--bind", str(src), str(tmp_path / "bound")], capture_output=True).returncode:
+        pytest.skip("no bind mounts here (not root)")
+    try:
+        before = snapshot(src)
+        with pytest.raises(SystemExit) as exit_:
+            bundle.main([str(tmp_path / "bound"), "--src", str(src)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and err == [
+            f"error: OUT_DIR {tmp_path / 'bound'} would overwrite {src.resolve() / 'model.py'}, a source bundle.py "
+            f"reads; give a separate folder."
+        ]
+        assert snapshot(src) == before
+    finally:
+        subprocess.run(["umount", str(tmp_path / "bound")])
+
+
+def test_a_link_in_out_dir_is_replaced_not_written_through(tmp_path):
+    src = source_copy(tmp_path / "src")
+    (tmp_path / "notes.txt").write_text("a file of the user's, not a source\n")
+    (tmp_path / "unrelated.txt").write_text("another\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.link(tmp_path / "notes.txt", out / "train.py")
+    (out / "model.py").symlink_to(tmp_path / "unrelated.txt")
+    (out / ".requirements.txt.bundling").symlink_to(tmp_path / "unrelated.txt")  # a stale temporary name
+    bundle.main([str(out), "--src", str(src)])
+    assert (tmp_path / "notes.txt").read_text() == "a file of the user's, not a source\n"
+    assert (tmp_path / "unrelated.txt").read_text() == "another\n"
+    assert (out / "model.py").read_bytes() == (src / "model.py").read_bytes() and not (out / "model.py").is_symlink()
+    assert sorted(p.name for p in out.iterdir()) == ["model.py", "requirements.txt", "train.py"]
+    bundle.main([str(out), "--src", str(src), "--check"])
 
 
 def test_bundle_writes_into_a_new_or_an_existing_separate_folder_and_checks_it(tmp_path, capsys):
