@@ -29,8 +29,8 @@ ATTENTION_BACKENDS = {
     "math": SDPBackend.MATH,
 }
 # the largest relative error (Frobenius norm) of a backend's output and input gradients against the math backend in
-# float32: bf16's own rounding gives 3-5e-3 at the event's head shape (measured on CPU: flash and math alike), a wrong
-# kernel O(1)
+# float32: bf16's own rounding gives 1.7e-3 (math) to 3.6e-3 (flash) at the event's head shape (bench/
+# attention_backends.py on CPU, BENCHMARKS.md), a wrong kernel O(1)
 ATTENTION_TOLERANCE = 2e-2
 B300 = (10, 3)  # compute capability of Blackwell Ultra: ptxas knows sm_103a from CUDA 12.9 on
 PTXAS_FOR_B300 = (12, 9)

@@ -114,6 +114,19 @@ def test_the_choice_is_active_only_inside_its_context():
     assert sdp_state() == before
 
 
+def test_a_graph_compiled_under_the_choice_bakes_in_its_kernel():
+    """Why the choice must hold when step 0 traces: the compiled graph calls the kernel the context allowed then."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import attention_backends
+
+    q, k, v = torch.randn(3, 1, 2, 32, 16, dtype=torch.bfloat16).unbind(0)
+    before = sdp_state()
+    flash = attention_backends.compiled_ops(kernels.AttentionChoice("flash", "flash (torch's pick)"), q, k, v)
+    assert flash == "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    math = attention_backends.compiled_ops(kernels.AttentionChoice("math", "math (forced)", ("math",)), q, k, v)
+    assert math == "none (math, decomposed into matmuls)" and sdp_state() == before
+
+
 def test_ranks_agree_on_the_backend_furthest_down_the_list(monkeypatch):
     choice = kernels.in_order(ORDER)
     other_rank = types.SimpleNamespace(ReduceOp=types.SimpleNamespace(MAX="max"), all_reduce=lambda t, op: t.fill_(2))
