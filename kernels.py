@@ -4,8 +4,8 @@ Triton assembles with. launch.py calls these; the versions line and the summary 
 
 Why: torch 2.9-2.10 prefer cuDNN attention only on compute capability 9.0 and 10.0 (sdp_utils.cpp,
 check_prefer_cudnn_attention), so a B300 (10.3) runs the in-tree FlashAttention-2, about half cuDNN's speed on
-Blackwell; and a Triton older than 3.6 bundles a ptxas (CUDA 12.8) that cannot assemble sm_103a, so every compile fails
-and the run falls back to eager (1.5-3x slower).
+Blackwell; and a Triton older than 3.6 bundles a ptxas (CUDA 12.8 or older) that cannot assemble sm_103a, so every
+compile fails and the run falls back to eager (1.5-3x slower).
 """
 
 import contextlib
@@ -75,12 +75,12 @@ def choose_attention(forced, n_head, head_dim, seq_len, device, capability, dtyp
     names, notes = list(ATTENTION_BACKENDS), []
     for i, name in enumerate(names[:-1]):  # math is the reference: the floor, unchecked
         if not (problem := attention_problem(name, n_head, head_dim, seq_len, device)):
-            return in_order(names[i:], notes)
+            return priority_choice(names[i:], notes)
         notes.append(f"attention: {name} fails its check ({problem}); trying the next backend")
-    return in_order(names[-1:], notes)
+    return priority_choice(names[-1:], notes)
 
 
-def in_order(chosen, notes=()):
+def priority_choice(chosen, notes=()):
     """The choice of the backends `chosen`, first preferred, the rest where it cannot run an input."""
     label = f"{chosen[0]} (first of {' > '.join(chosen)}; checked against math)"
     return AttentionChoice(chosen[0], label, tuple(chosen), ordered=True, notes=tuple(notes))
@@ -97,11 +97,11 @@ def agreed_attention(choice, device, world):
     if not choice.ordered or (first := int(index.item())) == names.index(choice.backends[0]):
         return choice
     note = f"attention: another rank's check failed down to {names[first]}; every rank uses it"
-    return in_order(names[first:], (*choice.notes, note))
+    return priority_choice(names[first:], (*choice.notes, note))
 
 
 def has_set_priority():
-    """Whether torch's sdpa_kernel takes set_priority (PyTorch PR 140467; compiled graphs honour it since PR 147768)."""
+    """Whether torch's sdpa_kernel takes set_priority (PyTorch PR 140467)."""
     return "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
@@ -158,7 +158,7 @@ def triton_version():
     return triton.__version__
 
 
-def release(version):
+def major_minor(version):
     """(major, minor) of a version string: "3.5.1" and "3.6.0+git7416ffcb" alike."""
     return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
@@ -191,7 +191,7 @@ def point_triton_at_ptxas(capability, triton, env, cuda_glob="/usr/local/cuda*")
     """On a B300 whose Triton bundles no ptxas for it (Triton < 3.6), and TRITON_PTXAS_PATH not set already: set it in
     env to the first CUDA >= 12.9 ptxas found on the machine, before anything compiles. Returns the line to say: what
     was set, or the warning that compiling will fail; None when there is nothing to do."""
-    if capability != B300 or triton is None or release(triton) >= TRITON_FOR_B300 or env.get("TRITON_PTXAS_PATH"):
+    if capability != B300 or triton is None or major_minor(triton) >= TRITON_FOR_B300 or env.get("TRITON_PTXAS_PATH"):
         return None
     for path in ptxas_candidates(env, cuda_glob):
         if (found := ptxas_version(path)) and found >= PTXAS_FOR_B300:

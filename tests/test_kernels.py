@@ -103,7 +103,7 @@ def test_a_forced_backend_is_checked_and_one_that_fails_is_one_sentence(backends
 
 def test_the_choice_is_active_only_inside_its_context():
     before = sdp_state()
-    with kernels.in_order(ORDER).active():
+    with kernels.priority_choice(ORDER).active():
         order, enabled = sdp_state()
         assert order[:4] == [int(kernels.ATTENTION_BACKENDS[name]) for name in ORDER] and all(enabled)
     assert sdp_state() == before
@@ -128,7 +128,7 @@ def test_a_graph_compiled_under_the_choice_bakes_in_its_kernel():
 
 
 def test_ranks_agree_on_the_backend_furthest_down_the_list(monkeypatch):
-    choice = kernels.in_order(ORDER)
+    choice = kernels.priority_choice(ORDER)
     other_rank = types.SimpleNamespace(ReduceOp=types.SimpleNamespace(MAX="max"), all_reduce=lambda t, op: t.fill_(2))
     monkeypatch.setattr(kernels, "dist", other_rank)
     agreed = kernels.agreed_attention(choice, CPU, world=2)
