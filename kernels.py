@@ -59,9 +59,9 @@ def choose_attention(forced, n_head, head_dim, seq_len, device, capability, dtyp
     """The attention backend of a run (--attention `forced`, or "auto") on `device` of compute `capability` (None on
     CPU). Auto keeps torch's pick, except on compute capability 10.x where torch's sdpa_kernel can set a priority:
     cuDNN first, then down the list to the first backend whose check passes. A forced backend that fails its check
-    is a ValueError. dtype: the run's, for naming torch's pick."""
+    is a ValueError. dtype: the run's attention inputs' (bf16 under autocast)."""
     if forced != "auto":
-        if problem := attention_problem(forced, n_head, head_dim, seq_len, device):
+        if problem := attention_problem(forced, n_head, head_dim, seq_len, device, dtype):
             raise ValueError(
                 f"--attention {forced} fails its check at this run's head shape ({problem}); force another backend "
                 f"or leave --attention auto"
@@ -74,7 +74,7 @@ def choose_attention(forced, n_head, head_dim, seq_len, device, capability, dtyp
         return AttentionChoice(default, f"{default} (torch's pick: this torch's sdpa_kernel cannot set a priority)")
     names, notes = list(ATTENTION_BACKENDS), []
     for i, name in enumerate(names[:-1]):  # math is the reference: the floor, unchecked
-        if not (problem := attention_problem(name, n_head, head_dim, seq_len, device)):
+        if not (problem := attention_problem(name, n_head, head_dim, seq_len, device, dtype)):
             return priority_choice(names[i:], notes)
         notes.append(f"attention: {name} fails its check ({problem}); trying the next backend")
     return priority_choice(names[-1:], notes)
@@ -112,12 +112,12 @@ def default_attention(n_head, head_dim, seq_len, device, dtype):
     return {backend: name for name, backend in ATTENTION_BACKENDS.items()}.get(choice, choice.name.lower())
 
 
-def attention_problem(name, n_head, head_dim, seq_len, device):
+def attention_problem(name, n_head, head_dim, seq_len, device, dtype=torch.bfloat16):
     """None when backend `name` runs causal attention, forward and backward, at the run's head shape (one sequence of
-    seq_len, bf16) within ATTENTION_TOLERANCE of the math backend in float32; else why not, in a few words."""
+    seq_len, in dtype) within ATTENTION_TOLERANCE of the math backend in float32; else why not, in a few words."""
     generator = torch.Generator(device=device).manual_seed(0)  # the global seed stays the weights'
     shape = (4, 1, n_head, seq_len, head_dim)
-    q, k, v, grad = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=generator).unbind(0)
+    q, k, v, grad = torch.randn(shape, device=device, dtype=dtype, generator=generator).unbind(0)
     try:
         error = attention_error(ATTENTION_BACKENDS[name], q, k, v, grad)
     except (RuntimeError, NotImplementedError) as e:  # no kernel for this device, dtype or shape

@@ -2,6 +2,7 @@
 against math and the fallback, the ptxas a B300 needs; the versions line; a compile failure on any rank, named."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -188,7 +189,7 @@ def test_a_b300_with_an_old_triton_is_pointed_at_the_first_cuda_12_9_ptxas(machi
         f"toolchain: Triton 3.5.1's own ptxas cannot assemble for sm_103; compiling with {machine.new} (CUDA 13.0) "
         f"through TRITON_PTXAS_PATH"
     )
-    env = {"PATH": machine.env["PATH"] + ":" + str(machine.old.rpartition("/bin")[0]) + "/bin"}
+    env = {"PATH": f"{machine.env['PATH']}:{os.path.dirname(machine.old)}"}
     assert "CUDA 12.9" in kernels.point_triton_at_ptxas((10, 3), "3.4.0", env, "/nowhere*")
     assert env["TRITON_PTXAS_PATH"] == machine.old  # PATH's garbage skipped, its 12.9 taken
 
