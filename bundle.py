@@ -40,6 +40,7 @@ SECTIONS = {
     "paths": "the files a run reads and writes, checked before anything is written",
     "headloss": "the training loss: the head's matmul and cross-entropy a chunk of rows at a time",
     "muon": "the optimizers: Muon for hidden matrices, AdamW for the rest, sharded across ranks",
+    "kernels": "the attention backend and, on a B300, the ptxas Triton uses: chosen and checked before the clock",
     "ranks": "the torch floor, process group and devices, ranks leaving together, warm collectives",
     "launch": "everything before the clock, in order; returns the Run the loop reads",
     "streams": "stdout and stderr that may go away (a dead tee, a hang-up) without ending the run",
@@ -49,6 +50,13 @@ PASTED = list(SECTIONS)
 SHIPPED = "model"  # next to train.py, so its imports stay
 REQUIREMENTS = ["torch", "numpy", "tqdm"]
 VERSIONS = {"torch": ">=2.6"}  # ranks.TORCH_FLOOR: the oldest torch the run path works on
+# requirements.txt's first lines: what a B300 needs, said, not required. A floor of torch>=2.10 there could make the
+# organizers' `pip install -r` replace the CUDA build of torch they installed with another
+REQUIREMENTS_NOTE = (
+    "# On a B300 (compute capability 10.3) install torch>=2.10: its Triton 3.6 is the first whose ptxas assembles for\n"
+    "# it. With an older torch, train.py points Triton at a CUDA >= 12.9 ptxas on the machine (TRITON_PTXAS_PATH),\n"
+    "# else it warns and trains eagerly. The floor below stays 2.6 so pip keeps the torch build already installed.\n"
+)
 
 
 class BundleError(ValueError):
@@ -181,7 +189,7 @@ def bundle_files(src_dir, pasted=PASTED):
     return {
         "model.py": (src_dir / "model.py").read_text(),
         "train.py": "\n\n\n".join(parts) + "\n",
-        "requirements.txt": "".join(f"{name}{VERSIONS.get(name, '')}\n" for name in REQUIREMENTS),
+        "requirements.txt": REQUIREMENTS_NOTE + "".join(f"{name}{VERSIONS.get(name, '')}\n" for name in REQUIREMENTS),
     }
 
 

@@ -162,6 +162,15 @@ class Hyperparameters:
     device: str = flag("auto", "auto (CUDA if present), cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
     autocast: str = flag("auto", "bf16 or none; auto: bf16 on CUDA, none on CPU", choices=("auto", "bf16", "none"))
+    # auto: cuDNN first on compute capability 10.x (torch 2.9-2.10 prefer it on 9.0 and 10.0 only, so a B300 got
+    # FlashAttention-2 at ~half cuDNN's speed); each checked against math before the clock (kernels.py)
+    attention: str = flag(
+        "auto",
+        "SDPA backend: auto (torch's pick; on compute capability 10.x cuDNN first, then down the list to the first "
+        "that agrees with math) or one forced: cudnn, flash, efficient, math (checked first: one that fails is an "
+        "error)",
+        choices=("auto", "cudnn", "flash", "efficient", "math"),
+    )
     grad_reduce: str = flag(
         "bf16", "dtype of the gradient all-reduce across ranks: bf16 (half the bytes) or fp32", choices=("bf16", "fp32")
     )

@@ -33,6 +33,7 @@ from plan import (
     make_plan,
 )
 from checkpoint import Checkpointer
+from kernels import agreed_attention, choose_attention, point_triton_at_ptxas, triton_version
 from paths import check_outputs, lock_outputs, training_twin
 from ranks import (
     bf16_grad_hook,
@@ -62,6 +63,7 @@ class Run:
     raw_model: torch.nn.Module
     model: torch.nn.Module  # raw_model, or its DDP wrapper
     loss_fn: object  # model(x, y, loss_fn=...)'s training loss: headloss.head_loss, compiled as configured
+    attention: object  # kernels.AttentionChoice: its active() context holds for training and validation
     optimizers: list
     eager_runs: "EagerRuns"
     loader: BatchLoader
@@ -85,9 +87,17 @@ def launch(hp, model_switches, stop_signal, say):
         fail(f"error: {e}")
     hp = resolve(hp, world)
     device = init_device(hp, rank, local_rank, world)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if toolchain := point_triton_at_ptxas(capability, triton_version(), os.environ):  # before anything compiles
+        say(toolchain)
     deadline = training_deadline(hp, rank, device, world, say)
     budget_s = budget_until(deadline, hp)  # first: the plan is made for the budget the run gets
-    hp, data, val, plan, loader, metrics = checked_inputs(hp, model_switches, rank, world, device, budget_s, say)
+    hp, data, val, plan, loader, metrics, attention = checked_inputs(
+        hp, model_switches, rank, world, device, capability, budget_s, say
+    )
+    attention = agreed_attention(attention, device, world)
+    for note in attention.notes:
+        say(note)
     eager_runs = EagerRuns(say, fail_on_miss=hp.on_recompile == "fail")
     raw_model, model, loss_fn, optimizers = build_model(hp, plan, model_switches, device, world, eager_runs)
     config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(raw_model.config)}
@@ -100,7 +110,7 @@ def launch(hp, model_switches, stop_signal, say):
         except Exception as e:
             error = sentence(e)
     leave_together(error, device, world, rank)
-    say(versions(device))
+    say(versions(device, attention.label))
     say(f"plan: {plan.line()}")
     say(
         f"{world} x {device.type} | compile {hp.compile} | autocast {hp.autocast} | grad reduce {hp.grad_reduce} | "
@@ -121,6 +131,7 @@ def launch(hp, model_switches, stop_signal, say):
         raw_model=raw_model,
         model=model,
         loss_fn=loss_fn,
+        attention=attention,
         optimizers=optimizers,
         eager_runs=eager_runs,
         loader=loader,
@@ -154,6 +165,7 @@ def resolve(hp, world):
         "auto_efficiency": AUTO_EFFICIENCY[kind],
         "world_size": world,
         "model": "auto",  # a plan.make_plan choice: the ladder picks
+        "attention": "auto",  # a kernels.choose_attention choice, on the device
     }  # the rest (shape, micro-batch, tokens per step, accumulation, peak rate, memory): None, the plan decides
     given = dataclasses.asdict(hp)
     return dataclasses.replace(hp, **{k: meaning.get(k) if v == "auto" else v for k, v in given.items()})
@@ -197,9 +209,10 @@ def budget_until(deadline, hp):
     return max(min(hp.time_limit_min * 60.0, deadline - time.time()), 1.0)
 
 
-def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
-    """Data, validation, paths, the plan and the loader, agreed across ranks; nothing written yet. Returns hp with
-    symlinked output paths resolved, and the rest."""
+def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s, say):
+    """Data, validation, paths, the plan, the attention backend (a forced one that fails its check is refused here)
+    and the loader, agreed across ranks; nothing written yet. Returns hp with symlinked output paths resolved, and the
+    rest."""
     try:  # data and paths may differ per rank (a node's staged copy, one rank's unreadable file)
         data, val = check_inputs(hp, rank, world)
         hp = check_outputs(hp, say)
@@ -212,6 +225,9 @@ def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
         say(f"warning: --val_file {hp.val_file} holds the same tokens as training file {twin}: it is not held out")
     try:  # the plan's one collective comes first, so a failure below cannot pair with another rank's collective
         plan = build_plan(hp, model_switches, device, world, budget_s, say)
+        dtype = torch.bfloat16 if hp.autocast == "bf16" else torch.float32
+        head_dim = plan.n_embd // plan.n_head
+        attention = choose_attention(hp.attention, plan.n_head, head_dim, hp.seq_len, device, capability, dtype)
         loader = BatchLoader(
             data.train,
             WindowSpec(hp.seq_len, doc_aligned=hp.doc_aligned, bos_id=data.bos_id, vocab_size=hp.vocab_size),
@@ -224,7 +240,7 @@ def checked_inputs(hp, model_switches, rank, world, device, budget_s, say):
     except Exception as e:
         error = sentence(e)
     leave_together(error, device, world, rank)
-    return hp, data, val, plan, loader, metrics
+    return hp, data, val, plan, loader, metrics, attention
 
 
 def check_inputs(hp, rank, world):

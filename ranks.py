@@ -19,6 +19,7 @@ import torch._functorch.config
 import torch.distributed as dist
 
 from muon import all_gather_flat, flat_gather
+from kernels import triton_version
 
 
 # The oldest torch the run path works on (run end to end on CPU, 2 gloo ranks, compiled): torch.compiler.set_stance
@@ -50,14 +51,23 @@ def lower_backward_in_forward(config=torch._functorch.config):
     return True
 
 
-def versions(device):
-    """One line that says what ran: torch, and on CUDA the CUDA and NCCL versions, the GPU and its capability."""
-    line = f"torch {torch.__version__}"
+def versions(device, attention):
+    """One line that says what ran: torch, Triton, and on CUDA the CUDA, cuDNN and NCCL versions, the GPU and its
+    compute capability; the ptxas Triton was pointed at, if any; the attention backend (kernels.AttentionChoice's
+    label)."""
+    line = f"torch {torch.__version__} | Triton {triton_version() or 'none'}"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "none"
-        line += f" | CUDA {torch.version.cuda} | NCCL {nccl} | {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
-    return line
+        cudnn = torch.backends.cudnn.version() or 0
+        cudnn = f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}" if cudnn >= 90000 else cudnn or "none"
+        line += (
+            f" | CUDA {torch.version.cuda} | cuDNN {cudnn} | NCCL {nccl} | {torch.cuda.get_device_name(device)} "
+            f"(sm_{major}{minor})"
+        )
+    if ptxas := os.environ.get("TRITON_PTXAS_PATH"):
+        line += f" | TRITON_PTXAS_PATH {ptxas}"
+    return f"{line} | attention {attention}"
 
 
 def launcher_env(env):
@@ -150,22 +160,44 @@ def sentence(error):
 
 def leave_together(error, device, world, rank):
     """Go on when no rank has an error (a sentence, or None); else every rank exits 2 now, together, and rank 0 says
-    the first failing rank's sentence, naming the rank. One all-reduce, and an exchange of sentences only on failure:
-    one rank's bad input (a node's staged data, an unreadable file) never leaves the others in a collective."""
-    if world == 1:
-        if error:
-            fail(f"error: {error}")
+    the first failing rank's sentence, naming the rank. One all-reduce, and a sentence sent only on failure: one
+    rank's bad input (a node's staged data, an unreadable file) never leaves the others in a collective."""
+    failed, first_error = failing_ranks(error, device, world, rank)
+    if not failed:
         return
-    first = torch.tensor([rank if error else world], device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    if (first := int(first.item())) == world:
-        return
-    errors = [None] * world
-    dist.all_gather_object(errors, error)
-    others = sum(e is not None for e in errors) - 1
     if rank == 0:
-        fail(f"error: rank {first}: {errors[first]}" + (f" (and {others} other rank(s))" if others else ""))
+        where = f"rank {failed[0]}: " if world > 1 else ""
+        others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+        fail(f"error: {where}{first_error}{others}")
     sys.exit(2)
+
+
+def failing_ranks(error, device, world, rank):
+    """(the ranks whose `error` is not None, in order; the first one's error), the same on every rank: one all-reduce
+    of a flag per rank, and the first failing rank's error sent to all only when some rank failed."""
+    if world == 1:
+        return ([rank] if error is not None else []), error
+    flags = torch.zeros(world, device=device)
+    flags[rank] = float(error is not None)
+    dist.all_reduce(flags)
+    failed = flags.nonzero().flatten().tolist()
+    if not failed:
+        return [], None
+    first_error = [error]
+    dist.broadcast_object_list(first_error, src=failed[0])
+    return failed, first_error[0]
+
+
+def rank_span(ranks):
+    """Ranks as a person reads them: "rank 3", "ranks 8-15", "ranks 0, 2, 8-15"."""
+    spans = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
 def lost_contact(error):

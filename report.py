@@ -33,7 +33,9 @@ def summary_row(run, clock, state, val_loss, val_batches):
         "planned_graphs": planned_graphs(run.raw_model, run.plan.micro_batch * run.hp.seq_len, run.device.type)
         if run.hp.compile
         else 0,
-        "compile_fallback": state.compile_fallback,
+        "compile_fallback": state.compile_fallback,  # the first failing rank's reason
+        "compile_fallback_ranks": state.compile_fallback_ranks,  # every rank that runs eagerly since step 0
+        "attention": run.attention.name,  # the SDPA backend preferred (kernels.choose_attention)
         "eager_runs": eager_runs.item(),  # calls of compiled regions run eagerly after a guard miss (slower steps)
         "final_lr_frac": state.lr_frac,
         "stop_reason": state.stop_reason,

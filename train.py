@@ -36,7 +36,7 @@ from plan import MIN_TOKENS_PER_STEP
 from windows import DataChanged
 from headloss import head_loss
 from launch import agreed_budget, build_plan, launch, resolve
-from ranks import fail, lost_contact
+from ranks import fail, failing_ranks, lost_contact, rank_span
 from streams import guard_log_streams
 from report import Logger, human_summary, summary_row
 
@@ -91,7 +91,8 @@ def main(argv=None):
         return
     run = launch(hp, model_switches, stop_signal, say)
     try:
-        saved = train(run)
+        with run.attention.active():  # once, around loop and finish: step 0 traces and validation runs under it
+            saved = train(run)
     except RuntimeError as e:  # a dead or frozen rank: end now with the last checkpoint, not at the SLURM wall
         if run.world == 1 or not lost_contact(e):
             raise
@@ -206,7 +207,8 @@ class LoopState:
     last_save: float = 0.0
     last_val: float = 0.0
     stop_reason: str | None = None
-    compile_fallback: str | None = None
+    compile_fallback: str | None = None  # the first failing rank's reason
+    compile_fallback_ranks: list = dataclasses.field(default_factory=list)
     train_s: float = 0.0
     clock_start_unix: float = 0.0
 
@@ -316,7 +318,7 @@ def optimizer_step(run, clock, state, guard, amp):
     set_lrs(run.optimizers, run.hp, state.lr_frac, momentum, step_tokens, run.device.type, guard.lr_scale)
     try:
         if state.step == 0 and run.hp.compile:
-            step_loss, state.compile_fallback = first_compiled_step(run, accum, amp)
+            step_loss, state.compile_fallback_ranks, state.compile_fallback = first_compiled_step(run, accum, amp)
         else:
             check_stop = run.world == 1 or (clock.step_s or 0.0) > STOP_CHECK_S
             step_loss = accumulate(run, accum, amp, check_stop=check_stop)
@@ -382,24 +384,30 @@ def stop_agreed(run):
 
 
 def first_compiled_step(run, accum, amp):
-    """Step 0, which compiles every graph training uses: (mean loss, None), or (mean loss, why) when compiling
-    failed (a Triton or ptxas that does not know the GPU; on CPU, no working C++ compiler). Then the attempt is
-    lost, not the slot: the step runs again eagerly, and so does the rest of the run, whose step time the clock
-    measures from step 1 on. Backward graphs are compiled in the first forward (launch.py), so a failure comes
-    before DDP's reducer expects a backward."""
+    """Step 0, which compiles every graph training uses. Where compiling fails (a Triton or ptxas that does not know
+    the GPU; on CPU, no working C++ compiler) the attempt is lost, not the slot: the step runs again eagerly, and so
+    does the rest of the run, whose step time the clock measures from step 1 on. Backward graphs are compiled in the
+    first forward (launch.py), so a failure comes before DDP's reducer expects a backward. Then every rank learns
+    which ranks fell back (one all-reduce; the reason travels only on failure), since all ranks wait for an eager
+    one: one line names them. Returns (mean loss, the ranks that run eagerly, the first one's reason)."""
+    why = None
     try:
         step_loss = accumulate(run, accum, amp)
+        # after step 0 no recompile may stall the clock: a guard miss raises, and launch.EagerRuns runs it eagerly
+        torch.compiler.set_stance("fail_on_recompile")
     except Exception as e:
         if isinstance(e, (dist.DistError, DataChanged)):  # a lost peer or the data, not the compiler
             raise
         why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-        run.say(f"warning: compiling failed at the first step ({why}); training goes on eagerly")
         torch.compiler.set_stance("force_eager")
         run.model.zero_grad(set_to_none=True)
-        return accumulate(run, accum, amp), why
-    # after step 0 no recompile may stall the clock: a guard miss raises, and launch.EagerRuns runs that call eagerly
-    torch.compiler.set_stance("fail_on_recompile")
-    return step_loss, None
+        step_loss = accumulate(run, accum, amp)
+    eager, first_why = failing_ranks(why, run.device, run.world, run.rank)
+    if eager:
+        where = "" if run.world == 1 else f" on {rank_span(eager)} of {run.world}"
+        wait = "" if run.world == 1 else " there, and every rank waits for them"
+        run.say(f"warning: compiling failed at the first step{where} ({first_why}); training goes on eagerly{wait}")
+    return step_loss, eager, first_why
 
 
 def finish(run, log, clock, amp, state, guard):

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One-call check for a single-GPU machine, ending in tables for BENCHMARKS.md, in the order of what matters most:
 #   1. the CUDA paths (per-block compiled bf16 model vs eager, the fused head + loss, Muon in bf16, fused AdamW,
-#      the pinned loader);
+#      the pinned loader); each SDPA backend's forward + backward time and agreement with math at the event's head
+#      shape, and the backend a run here chooses (bench/attention_backends.py);
 #   2. the event shape end to end: a compiled bf16 train.py run of l16w1024 at the plan's micro-batch on synthetic
-#      32K-vocab data, with periodic and final validation, and its summary (compile time, graphs, tokens/s, MFU,
-#      the plan's forecast against the measured step);
+#      32K-vocab data, with periodic and final validation, and its summary (the versions line and attention backend,
+#      pre-clock seconds, compile time, graphs, ranks that fell back to eager, tokens/s, MFU, the plan's forecast
+#      against the measured step); then both head-loss forms (bench/head_loss.py);
 #   3. per-block tokens/s, MFU, optimizer time and peak memory at micro-batch 8, 16 and 32 for l12w768 and
 #      l16w1024 with train.py's fused head + loss (bench/compile_time.py: a fresh process and an empty compile
 #      cache per row), then the cold compile time of the whole model against each block.
@@ -25,11 +27,15 @@ if [[ ${SMOKE:-0} == 1 ]]; then
     DEVICE=cpu COMPARE=l8w64 SHAPES=l8w64 BATCH=1 SEQ=32 THREADS=1 TOKENS=2000000 PATHS="8 64 64 256"
     MODES=per_block  # compiling the whole model takes minutes on CPU
     TRAIN_SHAPE="--n_layer 8 --n_head 2 --n_embd 64 --batch_size 2 --seq_len 64 --val_eval_tokens 4160"
+    ATTENTION="--batch 1 --heads 2 --seq 64 --head_dim 32 --reps 3"
+    HEAD_LOSS=--help  # its CPU bench takes minutes on a shared 2-core box: the smoke checks that it starts
 else
     DEVICE=cuda COMPARE=l12w768 SHAPES=l12w768,l16w1024 BATCH=8,16,32 SEQ=1024 THREADS=8 TOKENS=100000000
     MODES=whole,per_block
     PATHS="4 256 4096 3072"  # layers, width, the longest eager length, Newton-Schulz columns
     TRAIN_SHAPE="--model l16w1024 --batch_size 8 --seq_len 1024 --batch_tokens 131072"  # more steps in a minute
+    ATTENTION="--batch 13 --heads 8 --seq 1024 --head_dim 128"  # the event's micro-batch and heads
+    HEAD_LOSS="--rounds 3 --threads $THREADS"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$RESULTS"
 fi
 echo "# gpu_check $(date -u +%FT%TZ) on $DEVICE" >>"$RESULTS"
@@ -92,6 +98,10 @@ loader.close()
 print(f"{dev.type} checks passed")
 EOF
 
+# shellcheck disable=SC2086
+part 40 "SDPA backends at the event's head shape, and the run's choice" \
+    python bench/attention_backends.py --device "$DEVICE" $ATTENTION
+
 # a rerun on the same machine keeps the data a finished synth left (device seconds); a partial one is written anew
 if [[ -f $OUT/data.done ]]; then
     echo "== synthetic data: kept from an earlier run ($OUT/data)" | tee -a "$RESULTS"
@@ -108,9 +118,13 @@ part "$(awk "BEGIN { print int($TRAIN_MIN * 60 + 90) }")" "${TRAIN_MIN}-minute c
     _ "$OUT" --data_dir "$OUT/data" $TRAIN_SHAPE --compile --device "$DEVICE" --time_limit_min "$TRAIN_MIN" \
     --val_every_min "$(awk "BEGIN { print $TRAIN_MIN / 4 }")" --checkpoint_path "$OUT/checkpoint.pt" \
     --on_recompile fail
-part 20 "train.py run summary" python - "$OUT/metrics.jsonl" <<'EOF'
+part 20 "train.py run summary" python - "$OUT/metrics.jsonl" "$OUT/train.log" <<'EOF'
 import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
+log = open(sys.argv[2], errors="replace").read().replace("\r", "\n").splitlines() if os.path.exists(sys.argv[2]) else []
+for line in log:  # the versions line (torch, Triton, CUDA, cuDNN, NCCL, the GPU, the attention backend), kernel notes
+    if line.startswith(("torch ", "toolchain:", "attention:", "warning: Triton", "warning: compiling failed")):
+        print(line)
 train = [r for r in rows if "tokens_per_s" in r and "train_loss" in r]
 s = rows[-1] if rows and rows[-1].get("summary") else None
 if s is None:  # the run died before its summary: say how far it got, then fail this part
@@ -119,11 +133,13 @@ if s is None:  # the run died before its summary: say how far it got, then fail 
 steady = train[1:][len(train[1:]) // 2:]  # the first row carries compilation
 tok = sum(r["tokens_per_s"] for r in steady) / max(len(steady), 1)
 mfu = sum(r.get("mfu", 0.0) for r in steady) / max(len(steady), 1)
-print("| compile s | graphs (planned) | eager runs | rollbacks | tokens/s (steady) | MFU (bf16 peak) | peak mem GiB | "
-      "steps | train loss | val loss |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-print(f"| {s['compile_s']:.1f} | {s['compiled_graphs']} ({s['planned_graphs']}) | {s['eager_runs']} | "
-      f"{len(s['rollbacks'])} | {tok:,.0f} | {mfu:.1%} | {s['peak_mem_gib']} | {s['steps']} | "
+startup = s.get("startup_s")  # the pre-clock seconds, where the summary has them
+print("| attention | start-up s | compile s | graphs (planned) | eager ranks | eager runs | rollbacks | "
+      "tokens/s (steady) | MFU (bf16 peak) | peak mem GiB | steps | train loss | val loss |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print(f"| {s.get('attention')} | {'n/a' if startup is None else f'{startup:.1f}'} | {s['compile_s']:.1f} | "
+      f"{s['compiled_graphs']} ({s['planned_graphs']}) | {s.get('compile_fallback_ranks') or 'none'} | "
+      f"{s['eager_runs']} | {len(s['rollbacks'])} | {tok:,.0f} | {mfu:.1%} | {s['peak_mem_gib']} | {s['steps']} | "
       f"{train[-1]['train_loss']:.3f} | {s['val_loss']:.3f} |")
 plan = s["plan"]  # the plan's forecast next to what the device did: calibrates AUTO_EFFICIENCY["cuda"]
 step_ms = 1e3 * plan["micro_batch"] * plan["seq_len"] * s["grad_accum_steps"] * s["world_size"] / tok if tok else 0.0
@@ -132,6 +148,9 @@ print("| --- | --- | --- | --- | --- |")
 print(f"| {plan['tokens_per_step']:,} | {plan['micro_batch']} x {s['grad_accum_steps']} | {1e3 * plan['step_s']:.1f} | "
       f"{step_ms:.1f} | {step_ms / (1e3 * plan['step_s']):.2f} |")
 EOF
+# the head's loss, both forms (bench/head_loss.py)
+# shellcheck disable=SC2086
+part 60 "head + loss: training-step time and peak memory" python bench/head_loss.py $HEAD_LOSS
 part 150 "per-block steps by micro-batch, train.py's fused head + loss: $SHAPES" \
     python bench/compile_time.py --device "$DEVICE" --modes per_block --shapes "$SHAPES" --batch "$BATCH" \
     --seq "$SEQ" --head fused --optimizer --steps 5 --threads "$THREADS" --timeout 70

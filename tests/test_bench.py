@@ -24,6 +24,7 @@ SCRIPTS = [
     "bench/validation_cost.py",
     "bench/lr_sweep.py",
     "bench/ns_error.py",
+    "bench/attention_backends.py",
 ]
 
 
