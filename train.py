@@ -291,10 +291,10 @@ def host_sync(run, clock, log, state, guard, loss_sum, elapsed, amp):
         return stop_reason
     loss_sum.zero_()
     pause_start = time.perf_counter()  # snapshots, validation and saves: planned by the clock, not steps
-    guard.maybe_snapshot(state.step, elapsed)
+    guard.maybe_snapshot(state.step, state.tokens, elapsed)
     if run.rank == 0 and run.hp.save_every_min > 0 and elapsed - state.last_save >= run.hp.save_every_min * 60:
         log.failed_save()
-        run.checkpointer.save(run.raw_model, log.meta(state.step, state.tokens), background=True)
+        run.checkpointer.save(run.raw_model, log.meta(*guard.weights_of(state.step, state.tokens)), background=True)
         state.last_save = elapsed
     if val_batches := clock.validation_batches(elapsed, state.last_val):
         val_start = time.perf_counter()
@@ -405,10 +405,11 @@ def first_compiled_step(run, accum, amp):
 def finish(run, log, clock, amp, state, guard):
     """After the clock: save first, then validate (a slow eval can never cost the checkpoint), then the summary.
     A run that diverged after its last rollback saves its last trusted snapshot, and exits 0."""
-    hp, device, step, tokens, train_s = run.hp, run.device, state.step, state.tokens, state.train_s
+    hp, device, train_s = run.hp, run.device, state.train_s
     if state.stop_reason == "diverged":
         run.say(f"stopping: the loss diverged after {len(guard.rollbacks)} rollback(s)")
-    guard.restore_for_the_final_save(diverged=state.stop_reason == "diverged")
+    guard.restore_for_the_final_save(state.step, diverged=state.stop_reason == "diverged")
+    step, tokens = guard.weights_of(state.step, state.tokens)  # what the checkpoint and the final validation hold
     saved = True
     if run.rank == 0:
         log.failed_save()
@@ -423,6 +424,7 @@ def finish(run, log, clock, amp, state, guard):
     val_loss = evaluate(run.raw_model, run.val[:val_batches], device, amp)
     log.emit({"step": step, "elapsed_s": round(train_s, 3), "tokens": tokens, "val_loss": val_loss})
     summary = {**summary_row(run, clock, state, val_loss, val_batches), "rollbacks": guard.rollbacks}
+    summary["weights_step"] = step  # below "steps" when the run ends on restored weights
     log.emit(summary)
     log.close(train_s)
     run.say(human_summary(summary, hp))
