@@ -81,7 +81,7 @@ def main(argv=None):
     if unknown:
         say(f"ignoring unknown flags: {' '.join(unknown)}")
     try:  # flag errors are the same on every rank: each exits on its own
-        check_flags(hp)
+        check_flags(hp, model_switches)
     except ValueError as e:
         fail(f"error: {e}")
     for sentence in overridden_flags(hp):

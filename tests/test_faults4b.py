@@ -1,0 +1,142 @@
+"""Fault hardening, fourth round (issue 44): ranges and compatibility (model switches' ranges, boolean flags in the
+nanoGPT idiom, checkpoints older than the record's switches) and ranks that die outside the training loop."""
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+import config
+from conftest import TINY
+from model import FIRST_KEYS, GPTConfig, get_model
+
+# ----------------------------------------------------------------------------- boolean flags
+
+
+@pytest.mark.parametrize(
+    "argv, name, value",
+    [
+        (["--compile", "False"], "compile", False),
+        (["--compile=false"], "compile", False),
+        (["--compile", "0"], "compile", False),
+        (["--compile", "yes"], "compile", True),
+        (["--compile"], "compile", True),
+        (["--no-compile"], "compile", False),
+        ([], "compile", "auto"),
+        (["--doc_aligned", "True", "--seq_len", "64"], "doc_aligned", True),
+        (["--doc_aligned", "--seq_len", "64"], "doc_aligned", True),  # a bare flag takes no value that is a flag
+        (["--dry_run", "no"], "dry_run", False),
+    ],
+)
+def test_a_boolean_flag_reads_its_value_in_the_nanogpt_idiom(argv, name, value):
+    hp, _, unknown = config.parse_args(argv)
+    assert getattr(hp, name) == value and unknown == [], (argv, getattr(hp, name), unknown)
+
+
+def test_a_model_switch_reads_its_value_too():
+    assert config.parse_args(["--qk_norm", "False", "--backout=0", "--smear", "true"])[1] == {
+        "qk_norm": False,
+        "backout": False,
+        "smear": True,
+    }
+    assert config.parse_args(["--no-ve_gate", "--attn_gate"])[1] == {"ve_gate": False, "attn_gate": True}
+
+
+UNREADABLE = [["--compile", "Flase"], ["--doc_aligned=maybe"], ["--qk_norm", "2"], ["--seq_len", "x"]]
+
+
+@pytest.mark.parametrize("argv", UNREADABLE)
+def test_a_value_a_flag_cannot_take_is_one_sentence_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as leaving:
+        config.parse_args(argv)
+    error = capsys.readouterr().err.strip()
+    assert leaving.value.code == 2 and error.startswith("error: argument " + argv[0].split("=")[0]), error
+    assert "\n" not in error and "usage" not in error, error
+
+
+# ----------------------------------------------------------------------------- model switches' ranges
+
+SWITCH_CASES = {
+    "gate LR negative": ("--gate_lr_mult", "-0.1"),
+    "gate LR nan": ("--gate_lr_mult", "nan"),
+    "gate LR inf": ("--gate_lr_mult", "inf"),
+    "rope base inf": ("--rope_base", "inf"),
+    "rope base 1": ("--rope_base", "1"),
+    "untie at the end": ("--untie_at", "1"),
+    "untie negative": ("--untie_at", "-0.5"),
+    "bigram nan": ("--bigram_mult", "nan"),
+    "softcap negative": ("--logit_softcap", "-1"),
+    "mlp ratio 0": ("--mlp_ratio", "0"),
+}
+
+
+@pytest.mark.parametrize("flag, value", SWITCH_CASES.values(), ids=SWITCH_CASES.keys())
+def test_a_model_switch_out_of_its_range_is_one_sentence_naming_it(flag, value):
+    hp, switches, _ = config.parse_args([flag, value])
+    with pytest.raises(ValueError) as error:
+        config.check_flags(hp, switches)
+    assert str(error.value).startswith(f"{flag} must be") and "\n" not in str(error.value), error.value
+    config.check_flags(hp, {})  # the dataclass flags alone are fine
+
+
+def test_the_default_switches_and_an_ablation_are_in_range():
+    hp, switches, _ = config.parse_args(["--gate_lr_mult", "0", "--bigram_mult", "0", "--untie_at", "0.5"])
+    config.check_flags(hp, switches)
+    config.check_flags(hp, {f.name: f.default for f in dataclasses.fields(GPTConfig)})
+
+
+def test_a_gate_lr_that_would_train_silently_wrong_exits_2_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as leaving:
+        train.main([*TINY, "--gate_lr_mult", "nan", "--checkpoint_path", str(tmp_path / "ckpt.pt")])
+    error = capsys.readouterr().err.strip()
+    assert leaving.value.code == 2 and error == "error: --gate_lr_mult must be a finite number, got nan", error
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- checkpoints older than the switches
+
+SHAPE = {"vocab_size": 200, "seq_len": 16, "n_layer": 4, "n_head": 2, "n_embd": 32}
+LATER = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in FIRST_KEYS]
+
+
+def test_a_checkpoint_written_before_the_record_switches_loads_with_todays_model_py(tmp_path):
+    torch.manual_seed(0)
+    off = {"bigram_mult": 0.0, "ve_gate": False, "backout": False, "smear": False, "attn_gate": False}
+    old = get_model({**SHAPE, **off, "zero_init_proj": False})
+    old_config = {k: v for k, v in dataclasses.asdict(old.config).items() if k not in LATER}
+    assert set(old_config) == set(FIRST_KEYS) and {"bigram_mult", "ve_gate", "backout"} <= set(LATER)
+    torch.save({"model": old.state_dict(), "config": old_config, "step": 7}, tmp_path / "old.pt")
+    ckpt = torch.load(tmp_path / "old.pt", weights_only=True)
+    model = get_model(ckpt["config"])  # the organizers' two lines
+    model.load_state_dict(ckpt["model"])  # strict: no bigram table, value-embedding gate or backout weight missing
+    idx = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], old(idx)[0])
+
+
+def test_a_partial_or_whole_config_of_today_keeps_todays_defaults():
+    defaults = GPTConfig()
+    assert get_model(SHAPE).bigram is not None and get_model(SHAPE).backout_lambda is not None
+    whole = get_model({**dataclasses.asdict(defaults), **SHAPE})  # a checkpoint written today
+    assert whole.config == dataclasses.replace(defaults, **SHAPE)
+
+
+def test_every_old_switch_given_as_a_flag_still_builds_todays_model():
+    # the flags of every switch a first checkpoint held, at their defaults: the run's dict then holds every FIRST_KEYS
+    # key, yet it is no checkpoint's; the plan and the model keep the later switches on
+    import launch
+    import plan
+
+    flags = [f"--{k}={getattr(GPTConfig(), k)}" for k in FIRST_KEYS if k not in config.parse_args([])[0].__dict__]
+    hp, switches, unknown = config.parse_args(["--device", "cpu", *flags])
+    assert not unknown and set(FIRST_KEYS) <= {*switches, "vocab_size", "seq_len", "n_layer", "n_head", "n_embd"}
+    hp = launch.resolve(hp, 1)
+    shape = types.SimpleNamespace(n_layer=2, n_head=2, n_embd=32)
+    model, *_ = launch.build_model(hp, shape, switches, torch.device("cpu"), 1, launch.EagerRuns(print, False))
+    assert model.bigram is not None and model.backout_lambda is not None
+    costs = plan.shape_costs({"n_layer": 2, "n_head": 2, "n_embd": 32, **switches}, hp.vocab_size, hp.seq_len)
+    assert costs["params"] == model.num_params()
