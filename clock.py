@@ -54,10 +54,11 @@ def steps_between(t0, t1, unit_s, start_accum, late_accum, ramp_end_s):
 def last_step(step, fit, elapsed, budget_s, reserve_s, max_steps, planned_last):
     """Index of the last step to run, or None to stop now, when `fit` whole steps fit in what is left of the budget
     after reserve_s for planned validation. When none fits any more but the planned last step has not run, it still
-    starts inside the budget (and ends less than a step past it), so the run always ends on its floor-LR step. No
+    starts inside the budget (and ends less than a step past it), so the run always ends on its floor-LR step; after a
+    first step (the compile) that outlasted the whole budget, one step at the floor follows it all the same. No
     whole step of slack: with the organizers' step cap a step can be ~1/7 of the budget."""
     if fit < 1:
-        return step if step <= planned_last and elapsed < budget_s - reserve_s else None
+        return step if step <= planned_last and (elapsed < budget_s - reserve_s or step == 1) else None
     return min(max_steps - 1, step + fit - 1)
 
 
@@ -241,6 +242,8 @@ class Clock:
         interval = (elapsed - self.prev_elapsed - (paused - self.prev_paused)) / max(units, 1)
         if step == 1:
             self.compile_s = self.start_s = elapsed
+            # the first step (compile and warm-up included) bounds a step: a forecast slower than it plans too few
+            self.planned_unit_s = min(self.planned_unit_s, interval)
         elif step > 1 and units:
             if self.unit_s is not None and interval > 3 * self.unit_s:
                 self.notes.append(
