@@ -89,7 +89,13 @@ def main(argv=None):
     if hp.dry_run:
         dry_run(hp, model_switches, say)
         return
-    run = launch(hp, model_switches, stop_signal, say)
+    try:  # a peer that dies in the checks', the plan's or the warm-up's collectives: one sentence, not a traceback
+        run = launch(hp, model_switches, stop_signal, say)
+    except RuntimeError as e:
+        if not (dist.is_initialized() and lost_contact(e)):
+            raise
+        rank = dist.get_rank()
+        fail(f"error: rank {rank} lost contact with the other ranks before training ({why(e)}); no step ran", code=1)
     try:
         saved = train(run)
     except RuntimeError as e:  # a dead or frozen rank: end now with the last checkpoint, not at the SLURM wall
@@ -97,13 +103,19 @@ def main(argv=None):
             raise
         run.checkpointer.wait()
         fail(
-            f"error: rank {run.rank} lost contact with the other ranks ({str(e).splitlines()[0][:200]}); "
-            f"{run.hp.checkpoint_path} holds the last save",
+            f"error: rank {run.rank} lost contact with the other ranks ({why(e)}); {run.hp.checkpoint_path} holds the "
+            f"last save",
             code=1,
         )
     code = 0 if saved else 1  # a failed final save: rank 0 still meets the others at the barrier, then exits 1
     if dist.is_initialized():
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError as e:  # every rank has saved and validated: a peer gone now takes nothing from the run
+            if not lost_contact(e):
+                raise
+            message = f"warning: rank {run.rank}: a peer left before the final barrier ({why(e)}); the run had finished"
+            print(message, file=sys.stderr, flush=True)
         dist.destroy_process_group()
         if run.device.type == "cpu":  # torch 2.13's gloo can abort in interpreter teardown (~10% of clean runs)
             sys.stdout.flush()
@@ -111,6 +123,11 @@ def main(argv=None):
             os._exit(code)
     if code:
         sys.exit(code)
+
+
+def why(error):
+    """The first line of a collective's error, for a one-sentence message."""
+    return str(error).splitlines()[0][:200]
 
 
 def stop_with_the_launcher(parent=None):

@@ -140,3 +140,106 @@ def test_every_old_switch_given_as_a_flag_still_builds_todays_model():
     assert model.bigram is not None and model.backout_lambda is not None
     costs = plan.shape_costs({"n_layer": 2, "n_head": 2, "n_embd": 32, **switches}, hp.vocab_size, hp.seq_len)
     assert costs["params"] == model.num_params()
+
+
+# ----------------------------------------------------------------------------- a rank that dies outside the loop
+
+# Rank 1 runs through this wrapper and is killed (SIGKILL: no handler, no goodbye) at PHASE; rank 0 runs train.py.
+DYING_WORKER = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import launch, train
+
+def dying(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+phase = os.environ["PHASE"]
+if phase == "finish":  # after every rank saved and validated, right before the final barrier
+    finish = train.finish
+    train.finish = lambda *args: finish(*args) and dying()
+else:  # in place of that collective: rank 0 waits in it for a peer that is gone
+    setattr(launch, phase, dying)
+train.main()
+"""
+
+
+def two_ranks_rank_1_dying(tmp_path, phase, args):
+    """Rank 0 (train.py) and rank 1 (DYING_WORKER), started by hand so that each exit code is seen: rank 0's
+    (returncode, stdout, stderr)."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT, TRAIN, child_env
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(DYING_WORKER.format(root=str(ROOT)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**child_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PHASE": phase}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            cwd=tmp_path,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, script in ((0, TRAIN), (1, worker))
+    ]
+    out, err = ranks[0].communicate(timeout=240)
+    ranks[1].communicate(timeout=60)
+    assert ranks[1].returncode == -9, ranks[1].returncode
+    return ranks[0].returncode, out, err
+
+
+def test_a_lost_peer_before_the_clock_is_one_sentence_and_exit_1(monkeypatch, capsys):
+    import ranks
+    import train
+
+    gone = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:50877. This is typically caused by ...")
+    monkeypatch.setattr(ranks.dist, "is_initialized", lambda: True)  # train.dist and ranks.dist: one module
+    monkeypatch.setattr(ranks.dist, "get_rank", lambda: 3)
+    with pytest.raises(RuntimeError):  # a check's collective: not swallowed into an input error's sentence
+        ranks.sentence(gone)
+    assert ranks.sentence(ValueError("--seq_len must be at least 1, got 0")) == "--seq_len must be at least 1, got 0"
+
+    def launch(*args):
+        raise gone
+
+    monkeypatch.setattr(train, "launch", launch)
+    with pytest.raises(SystemExit) as leaving:
+        train.main(["--device", "cpu"])
+    error = capsys.readouterr().err.strip()
+    assert leaving.value.code == 1 and error.count("\n") == 0, error
+    assert error.startswith("error: rank 3 lost contact with the other ranks before training ([pair.cc:553] Conn")
+    monkeypatch.setattr(train, "launch", lambda *args: ranks.fail("error: an input error", code=2))
+    with pytest.raises(SystemExit) as leaving:
+        train.main(["--device", "cpu"])
+    assert leaving.value.code == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["training_deadline", "agreed_matmul_rate"])  # outside, inside a check's try
+def test_a_rank_that_dies_before_the_clock_leaves_one_sentence(tmp_path, token_dir, phase):
+    from conftest import on_tokens
+
+    rc, out, err = two_ranks_rank_1_dying(tmp_path, phase, [*on_tokens(token_dir), *TINY, "--device", "cpu"])
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert rc == 1 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert errors[0].startswith("error: rank 0 lost contact with the other ranks before training ("), errors
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_after_the_run_finished_leaves_it_finished(tmp_path, token_dir):
+    from conftest import on_tokens, read_metrics
+
+    args = [*on_tokens(token_dir), *TINY, "--device", "cpu", "--time_limit_min", "0.1"]
+    rc, out, err = two_ranks_rank_1_dying(tmp_path, "finish", args)
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    assert "warning: rank 0: a peer left before the final barrier (" in err
+    _, val, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["stop_reason"] == "time_limit" and summary["world_size"] == 2 and val[-1]["val_loss"] > 0
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == summary["steps"] > 0
