@@ -62,7 +62,8 @@ class Snapshot:
                 copies[ij, k] = copy
             else:
                 fresh.append((ij, k, v))
-        copies.update(zip([(ij, k) for ij, k, _ in fresh], self._buffers([v for *_, v in fresh])))
+        if fresh:
+            copies.update(zip([(ij, k) for ij, k, _ in fresh], self._buffers([v for *_, v in fresh])))
         # python numbers in optimizer state (a step count) travel by value
         self.held = {
             ij: {k: copies[ij, k] if torch.is_tensor(v) else v for k, v in state.items()} for ij, state in live.items()
