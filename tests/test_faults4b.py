@@ -243,3 +243,61 @@ def test_a_rank_that_dies_after_the_run_finished_leaves_it_finished(tmp_path, to
     _, val, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["stop_reason"] == "time_limit" and summary["world_size"] == 2 and val[-1]["val_loss"] > 0
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == summary["steps"] > 0
+
+
+# ----------------------------------------------------------------------------- the quick start's spike: the rows
+
+
+class RowLog:
+    """The metrics rows host_sync writes, kept (report.Logger's calls)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def row(self, step, tokens, elapsed, lr_frac, train_loss):
+        self.rows.append((step, train_loss))
+
+    def notes(self):
+        pass
+
+    def failed_save(self, wait=True):
+        pass
+
+
+def test_each_metrics_row_is_the_mean_of_its_steps_through_replans_rollbacks_and_uneven_syncs():
+    """train.host_sync and the loop's calls, on a fake clock whose device is 20x the forecast and a step cap that
+    binds (so the accumulation is replanned at syncs), with syncs of 1 to many steps and three non-finite steps
+    (rollbacks): every row is the mean of the losses of exactly the steps since the row before."""
+    import rollback
+    import train
+    from clock import Clock
+
+    torch.manual_seed(0)
+    model = get_model({**SHAPE, "n_layer": 1})
+    guard = rollback.Guard(model, [], torch.device("cpu"), lambda message: None)
+    hp = types.SimpleNamespace(seq_len=16, save_every_min=0.0, lr_rule="none")
+    run = types.SimpleNamespace(
+        rank=0, world=1, device=torch.device("cpu"), data_gone=None, stop_signal=[], hp=hp, val=[], say=print
+    )
+    run.plan, run.raw_model = types.SimpleNamespace(micro_batch=2), model
+    clock = Clock(60.0, 400, 1, 0.35, may_replan=True, planned_step_s=1.0)
+    log, state, loss_sum, elapsed, losses, syncs = RowLog(), train.LoopState(), torch.zeros(()), 0.0, [], []
+    while True:
+        if clock.due(state.step):
+            syncs.append(state.step)
+            if train.host_sync(run, clock, log, state, guard, loss_sum, elapsed, None):
+                break
+        _, accum = clock.begin_step(state.step)
+        loss = float("nan") if state.step in (40, 90, 150) else 3.0 + (state.step * 7919 % 13) / 10
+        losses.append(loss)
+        loss_sum += loss
+        elapsed += 0.05 * accum * (1 + (state.step % 5 == 0))  # uneven steps: syncs of one step and of many
+        state.step += 1
+    assert sum("replan" in note for note in clock.notes) >= 2  # the cap made the clock replan (up, then down)
+    assert len(guard.rollbacks) == 3 and len(log.rows) > 20
+    assert len({b - a for a, b in zip(syncs, syncs[1:])}) >= 3  # syncs of one step and of several
+    for step, loss in log.rows:
+        start = syncs[syncs.index(step) - 1]
+        assert abs(loss - sum(losses[start:step]) / (step - start)) < 1e-5, (start, step)
+    written = {step for step, _ in log.rows}
+    assert [s for s in syncs[1:] if s not in written] == [next(s for s in syncs if s > n) for n in (40, 90, 150)]
