@@ -29,6 +29,9 @@ FILL_SLACK = 0.02  # a replan takes the smallest accumulation whose whole steps 
 # accumulation goes down to the smallest whose steps stay DOWN_MARGIN inside the cap (a faster stretch still fits)
 SHORT_OF_CAP = 0.9
 DOWN_MARGIN = 0.05
+# a first step that outlasted the whole budget was a compile when a step is forecast at this share of it or less: one
+# step at the floor then follows it (a first step that was one slow step gets no second one past the budget)
+COMPILE_STEP_SHARE = 0.1
 
 
 def ramp_accum(progress, start_accum, late_accum, ramp_frac):
@@ -54,11 +57,10 @@ def steps_between(t0, t1, unit_s, start_accum, late_accum, ramp_end_s):
 def last_step(step, fit, elapsed, budget_s, reserve_s, max_steps, planned_last):
     """Index of the last step to run, or None to stop now, when `fit` whole steps fit in what is left of the budget
     after reserve_s for planned validation. When none fits any more but the planned last step has not run, it still
-    starts inside the budget (and ends less than a step past it), so the run always ends on its floor-LR step; after a
-    first step (the compile) that outlasted the whole budget, one step at the floor follows it all the same. No
+    starts inside the budget (and ends less than a step past it), so the run always ends on its floor-LR step. No
     whole step of slack: with the organizers' step cap a step can be ~1/7 of the budget."""
     if fit < 1:
-        return step if step <= planned_last and (elapsed < budget_s - reserve_s or step == 1) else None
+        return step if step <= planned_last and elapsed < budget_s - reserve_s else None
     return min(max_steps - 1, step + fit - 1)
 
 
@@ -282,6 +284,11 @@ class Clock:
         else:
             fit = int(self._steps_left(elapsed, reserve_s, self.accum)[0])
         planned = last_step(step, fit, elapsed, self.budget_s, reserve_s, self.max_steps, self.last)
+        if planned is None and step == 1 <= self.last and self.step_s <= COMPILE_STEP_SHARE * elapsed:
+            planned = 1  # the compile outlasted the budget: the run still ends on a floor-LR step
+            self.notes.append(
+                f"the first step (compiling) took {elapsed:.0f} s, past the budget: one step at the floor LR follows"
+            )
         if planned is None:
             return "time_limit" if step > 0 else None
         self.last = planned

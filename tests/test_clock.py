@@ -264,3 +264,10 @@ def test_a_first_step_slower_than_the_forecast_leaves_the_forecast_alone():
     clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=True, planned_step_s=0.5)
     simulate(clock, 0.5, stall=(0, 20.0))
     assert clock.planned_unit_s == 0.5
+
+
+def test_a_first_step_past_the_budget_that_was_one_slow_step_gets_no_second_one():
+    # no compile: a plan of six 10 s steps in 60 s on a device 7x slower; a second step would end 70 s later still
+    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=True, planned_step_s=10.0)
+    steps, _, end, _, _ = simulate(clock, 70.0)
+    assert (steps, end) == (1, 70.0) and not clock.notes
