@@ -207,7 +207,9 @@ def add_boolean(parser, name, default, help_text):
     """--name (true), --no-name (false), or --name VALUE / --name=VALUE (truth): a value after a boolean flag is read,
     never left in the unknown flags while the flag turns true."""
     convert = (lambda s: s if s == "auto" else truth(s)) if default == "auto" else truth
-    parser.add_argument(f"--{name}", nargs="?", const=True, default=default, type=convert, help=help_text)
+    parser.add_argument(
+        f"--{name}", nargs="?", const=True, default=default, type=convert, metavar="true|false", help=help_text
+    )
     parser.add_argument(f"--no-{name}", dest=name, action="store_false", default=default, help=argparse.SUPPRESS)
 
 
