@@ -29,6 +29,9 @@ FILL_SLACK = 0.02  # a replan takes the smallest accumulation whose whole steps 
 # accumulation goes down to the smallest whose steps stay DOWN_MARGIN inside the cap (a faster stretch still fits)
 SHORT_OF_CAP = 0.9
 DOWN_MARGIN = 0.05
+# a first step that outlasted the whole budget was a compile when a step is forecast at this share of it or less: one
+# step at the floor then follows it (a first step that was one slow step gets no second one past the budget)
+COMPILE_STEP_SHARE = 0.1
 
 
 def ramp_accum(progress, start_accum, late_accum, ramp_frac):
@@ -241,6 +244,8 @@ class Clock:
         interval = (elapsed - self.prev_elapsed - (paused - self.prev_paused)) / max(units, 1)
         if step == 1:
             self.compile_s = self.start_s = elapsed
+            # the first step (compile and warm-up included) bounds a step: a forecast slower than it plans too few
+            self.planned_unit_s = min(self.planned_unit_s, interval)
         elif step > 1 and units:
             if self.unit_s is not None and interval > 3 * self.unit_s:
                 self.notes.append(
@@ -279,6 +284,11 @@ class Clock:
         else:
             fit = int(self._steps_left(elapsed, reserve_s, self.accum)[0])
         planned = last_step(step, fit, elapsed, self.budget_s, reserve_s, self.max_steps, self.last)
+        if planned is None and step == 1 <= self.last and self.step_s <= COMPILE_STEP_SHARE * elapsed:
+            planned = 1  # the compile outlasted the budget: the run still ends on a floor-LR step
+            self.notes.append(
+                f"the first step (compiling) took {elapsed:.0f} s, past the budget: one step at the floor LR follows"
+            )
         if planned is None:
             return "time_limit" if step > 0 else None
         self.last = planned

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import math
 import operator
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -192,29 +193,58 @@ class Hyperparameters:
     )
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose error (a value it cannot read: --seq_len abc, --compile maybe) is one sentence and exit 2, like
+    check_flags's, not the whole usage first."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def truth(text):
+    """A boolean flag's value in the nanoGPT idiom (--compile False): true/false, 1/0 or yes/no, in any case."""
+    if text.lower() not in TRUE_WORDS + FALSE_WORDS:
+        raise argparse.ArgumentTypeError(f"expected true/false, 1/0 or yes/no, got {text!r}")
+    return text.lower() in TRUE_WORDS
+
+
+def add_boolean(parser, name, default, help_text):
+    """--name (true), --no-name (false), or --name VALUE / --name=VALUE (truth): a value after a boolean flag is read,
+    never left in the unknown flags while the flag turns true."""
+    convert = (lambda s: s if s == "auto" else truth(s)) if default == "auto" else truth
+    parser.add_argument(
+        f"--{name}", nargs="?", const=True, default=default, type=convert, metavar="true|false", help=help_text
+    )
+    parser.add_argument(f"--no-{name}", dest=name, action="store_false", default=default, help=argparse.SUPPRESS)
+
+
 def parse_args(argv=None):
     """(Hyperparameters, model.py switches given, unknown flags). Flags come from the dataclass, plus one per
     model.py switch (default: model.py's own)."""
     # no prefix matching: an unknown --warmup must be ignored, not read as --warmup_frac
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
-    )
+    parser = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     for f in dataclasses.fields(Hyperparameters):
         kind, help_text = (
             f.metadata["kind"] or (f.type if f.type in (int, float, bool) else str),
             f"{f.metadata['help']} (default: {f.default})".replace("%", "%%"),
         )
         if kind is bool:
-            parser.add_argument(f"--{f.name}", default=f.default, action=argparse.BooleanOptionalAction, help=help_text)
+            add_boolean(parser, f.name, f.default, help_text)
             continue
         convert = (lambda k: lambda s: s if s == "auto" else k(s))(kind) if f.default == "auto" else kind
         parser.add_argument(f"--{f.name}", type=convert, default=f.default, help=help_text)
     ours = {f.name for f in dataclasses.fields(Hyperparameters)}
     switches = [f for f in dataclasses.fields(GPTConfig) if f.name not in ours]
     for f in switches:
-        kind = {bool: None}.get(f.type, f.type)
-        extra = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": kind}
-        parser.add_argument(f"--{f.name}", default=None, help=f"model.py switch (default: {f.default})", **extra)
+        help_text = f"model.py switch (default: {f.default})"
+        if f.type is bool:
+            add_boolean(parser, f.name, None, help_text)
+        else:
+            parser.add_argument(f"--{f.name}", type=f.type, default=None, help=help_text)
     args, unknown = parser.parse_known_args(argv)
     args = vars(args)
     model_switches = {f.name: value for f in switches if (value := args.pop(f.name)) is not None}
@@ -222,21 +252,39 @@ def parse_args(argv=None):
 
 
 BOUND_TESTS = {"at least": operator.ge, "above": operator.gt, "below": operator.lt, "at most": operator.le}
+# model.py's numeric switches, each a finite number in these bounds: said here with the flag's name before anything
+# runs (GPT checks a config dict's shape values too). gate_lr_mult reaches an optimizer, so a negative or NaN value
+# would train silently wrong; an infinite rope_base would silently turn every rotation but one off
+SWITCH_BOUNDS = {
+    "mlp_ratio": {"at least": 1},
+    "rope_base": {"above": 1},
+    "logit_softcap": {"at least": 0},
+    "bigram_mult": {"at least": 0},
+    "untie_at": {"at least": 0, "below": 1},
+    "gate_lr_mult": {"at least": 0},
+}
 
 
-def check_flags(hp):
-    """Flag values a user can get wrong, as one sentence each; the same on every rank, so no collective."""
+def check_range(name, value, bounds):
+    if not math.isfinite(value):
+        raise ValueError(f"--{name} must be a finite number, got {value}")
+    for words, bound in bounds.items():
+        if not BOUND_TESTS[words](value, bound):
+            raise ValueError(f"--{name} must be {words} {bound}, got {value}")
+
+
+def check_flags(hp, model_switches=None):
+    """Flag values a user can get wrong, as one sentence each; the same on every rank, so no collective.
+    model_switches: the model.py switches given (parse_args), ranged by SWITCH_BOUNDS."""
     for f in dataclasses.fields(hp):
         value, choices, bounds = getattr(hp, f.name), f.metadata["choices"], f.metadata["bounds"]
         if choices and value not in choices:
             raise ValueError(f"--{f.name} must be one of {', '.join(choices)}, got {value!r}")
-        if not bounds or value == "auto":
-            continue
-        if not math.isfinite(value):
-            raise ValueError(f"--{f.name} must be a finite number, got {value}")
-        for words, bound in bounds.items():
-            if not BOUND_TESTS[words](value, bound):
-                raise ValueError(f"--{f.name} must be {words} {bound}, got {value}")
+        if bounds and value != "auto":
+            check_range(f.name, value, bounds)
+    for name, value in (model_switches or {}).items():
+        if name in SWITCH_BOUNDS:
+            check_range(name, value, SWITCH_BOUNDS[name])
     if hp.schedule == "wsd" and hp.warmup_frac + hp.decay_frac > 1.0:
         raise ValueError(
             f"--warmup_frac {hp.warmup_frac} leaves no room for the decay: with wsd it must be at most 1 - --decay_frac"

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import get_model, model_config
+from model import GPTConfig, get_model, model_config
 from headloss import compiled_head_loss, head_loss
 from data import BatchLoader, load_token_data, val_batches
 from shards import Deal
@@ -358,7 +358,9 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(hp.seed)
     shape = {k: getattr(plan, k) for k in ("n_layer", "n_head", "n_embd")}
-    raw_model = get_model({"vocab_size": hp.vocab_size, "seq_len": hp.seq_len, **shape, **model_switches}).to(device)
+    # from a whole config: today's defaults for every switch not given, however many are (model.model_config)
+    config = {**dataclasses.asdict(GPTConfig()), "vocab_size": hp.vocab_size, "seq_len": hp.seq_len}
+    raw_model = get_model({**config, **shape, **model_switches}).to(device)
     tied_head = raw_model.wte.weight if raw_model.config.tie_embeddings else None
     optimizers = build_optimizers(
         raw_model,

@@ -408,10 +408,24 @@ class GPT(nn.Module):
         return 6 * self.num_params(non_embedding=True) + 6 * cfg.n_layer * cfg.n_embd * T
 
 
+# A checkpoint's config holds every key of the GPTConfig that wrote it; the first checkpoints' held FIRST_KEYS. Such a
+# config that lacks a later switch predates it: the switch is off (SWITCHED_OFF; a switch added later that is on by
+# default goes there too), as it was for those weights. Any other dict (a shape, a few switches) takes the defaults.
+FIRST_KEYS = (
+    "vocab_size seq_len n_layer n_head n_embd mlp_ratio norm pos rope_base qk_norm mlp_act logit_softcap value_embeds "
+    "x0_mix resid_scale unet_skips zero_init_proj embed_norm tie_embeddings"
+).split()
+SWITCHED_OFF = {"bigram_mult": 0.0, "ve_gate": False, "backout": False}  # the later switches on by default
+
+
 def model_config(config: dict) -> GPTConfig:
-    """GPTConfig from a plain dict: missing keys take the defaults, unknown keys are ignored."""
+    """GPTConfig from a plain dict: unknown keys are ignored, missing keys take the defaults, except the switches a
+    checkpoint written before them lacks (FIRST_KEYS): off."""
+    config = dict(config or {})
+    if all(k in config for k in FIRST_KEYS):
+        config = {**SWITCHED_OFF, **config}
     known = {f.name for f in fields(GPTConfig)}
-    return GPTConfig(**{k: v for k, v in (config or {}).items() if k in known})
+    return GPTConfig(**{k: v for k, v in config.items() if k in known})
 
 
 def get_model(config: dict) -> GPT:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from clock import STEP_HEADROOM, steps_between
-from model import get_model
+from model import GPTConfig, get_model
 
 LADDER = [  # name, n_layer, n_head, n_embd: depth and width grow together, head size 64..128
     ("l2w64", 2, 2, 64),
@@ -114,7 +114,10 @@ def shape_config(name):
 @lru_cache(maxsize=None)
 def _shape_costs(shape_items, vocab_size, seq_len):
     with torch.device("meta"):  # no memory, no init
-        model = get_model({"vocab_size": vocab_size, "seq_len": seq_len, **dict(shape_items)})
+        # a whole config, so switches not given take today's defaults however many are (model.model_config)
+        model = get_model(
+            {**dataclasses.asdict(GPTConfig()), "vocab_size": vocab_size, "seq_len": seq_len, **dict(shape_items)}
+        )
     return {
         "params": model.num_params(),
         "block_params": sum(p.numel() for p in model.blocks.parameters()),

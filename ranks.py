@@ -149,7 +149,10 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 def sentence(error):
     """An exception a check can meet as one sentence: ours are sentences already, an OSError (one rank's unreadable
-    file) names its file; anything else keeps its traceback on this rank's stderr, for whoever debugs it."""
+    file) names its file; anything else keeps its traceback on this rank's stderr, for whoever debugs it. A lost peer
+    (lost_contact) is raised again: no other rank is left to agree with."""
+    if isinstance(error, RuntimeError) and dist.is_initialized() and lost_contact(error):
+        raise error  # a peer gone in a collective is no input error: train.main says it in one sentence
     if isinstance(error, OSError) and error.strerror:
         return f"{error.filename or 'a file'}: {error.strerror}" + (f" ({error.filename2})" if error.filename2 else "")
     if not isinstance(error, (ValueError, OSError)):

@@ -21,43 +21,78 @@ MAX_ROLLBACKS = 3  # then the run stops ("diverged") and saves the last good sna
 
 
 class Snapshot:
-    """Weights and optimizer state, copied into buffers allocated once (again when the optimizers first create their
-    state): on the device when it has room (a few GB at l16w1024 against ~275 GB), else in pinned host memory."""
+    """Weights and optimizer state, copied into buffers allocated once (again for state the optimizers create later):
+    on the device when it has room (a few GB at l16w1024 against ~275 GB), else in pinned host memory. Optimizer state
+    is held by identity, (optimizer, parameter) and key, never by position: state that appears after a snapshot (a
+    parameter with no gradient until untie_at) is never paired with another's, and a restore removes it, so that it
+    starts afresh as it first did."""
 
     def __init__(self, model, optimizers, device):
         self.model, self.optimizers, self.device = model, optimizers, device
-        self.step, self.saved, self.scalars = None, [], []
+        self.step, self.tokens = None, 0
+        self.weights = []  # copies of the model's parameters and buffers, in order
+        self.held = {}  # (optimizer, parameter index) that had state -> {key: a copy, or a python number (a count)}
         self.loss = math.inf  # the healthy loss that trusted it: a rollback measures spikes from there
 
-    def _live(self):
-        states = [state for opt in self.optimizers for state in opt.state.values()]
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        return tensors + [v for state in states for v in state.values() if torch.is_tensor(v)], states
+    def _params(self):
+        """(optimizer index, parameter index, parameter) of every parameter an optimizer steps."""
+        return [
+            (i, j, p)
+            for i, opt in enumerate(self.optimizers)
+            for j, p in enumerate(p for group in opt.param_groups for p in group["params"])
+        ]
 
-    def take(self, step):
-        live, states = self._live()
-        if [t.shape for t in self.saved] != [t.shape for t in live]:
-            nbytes = sum(t.numel() * t.element_size() for t in live)
-            cuda = self.device.type == "cuda"
-            room = not cuda or torch.cuda.mem_get_info(self.device)[0] > 4 * nbytes  # two snapshots, then margin
-            where = self.device if room else torch.device("cpu")
-            self.saved = [torch.empty_like(t, device=where, pin_memory=cuda and not room) for t in live]
-        for saved, tensor in zip(self.saved, live):
-            saved.copy_(tensor, non_blocking=True)
-        # python numbers kept in optimizer state (a step count) travel by value; no state yet (step 0) is kept too
-        self.scalars = [{k: v for k, v in state.items() if not torch.is_tensor(v)} for state in states]
-        self.step = step
+    def _buffers(self, tensors):
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        cuda = self.device.type == "cuda"
+        room = not cuda or torch.cuda.mem_get_info(self.device)[0] > 4 * nbytes  # two snapshots, then margin
+        where = self.device if room else torch.device("cpu")
+        return [torch.empty_like(t, device=where, pin_memory=cuda and not room) for t in tensors]
+
+    def take(self, step, tokens):
+        weights = [*self.model.parameters(), *self.model.buffers()]
+        if len(self.weights) != len(weights):
+            self.weights = self._buffers(weights)
+        live = {(i, j): self.optimizers[i].state[p] for i, j, p in self._params() if p in self.optimizers[i].state}
+        tensors = [(ij, k, v) for ij, state in live.items() for k, v in state.items() if torch.is_tensor(v)]
+        copies, fresh = {}, []
+        for ij, k, v in tensors:  # a buffer of the last snapshot's is reused; new state gets its own
+            copy = self.held.get(ij, {}).get(k)
+            if torch.is_tensor(copy) and (copy.shape, copy.dtype) == (v.shape, v.dtype):
+                copies[ij, k] = copy
+            else:
+                fresh.append((ij, k, v))
+        if fresh:
+            copies.update(zip([(ij, k) for ij, k, _ in fresh], self._buffers([v for *_, v in fresh])))
+        # python numbers in optimizer state (a step count) travel by value
+        self.held = {
+            ij: {k: copies[ij, k] if torch.is_tensor(v) else v for k, v in state.items()} for ij, state in live.items()
+        }
+        for copy, tensor in zip(self.weights, weights):
+            copy.copy_(tensor, non_blocking=True)
+        for ij, k, v in tensors:
+            copies[ij, k].copy_(v, non_blocking=True)
+        self.step, self.tokens = step, tokens
 
     def restore(self):
-        if not self.scalars:  # taken before the first optimizer step: the optimizers start afresh
-            for opt in self.optimizers:
-                opt.state.clear()
-        live, states = self._live()
+        """The weights and optimizer state exactly as taken; state of a parameter or key the snapshot did not hold is
+        removed (it starts afresh)."""
         with torch.no_grad():
-            for saved, tensor in zip(self.saved, live):
-                tensor.copy_(saved, non_blocking=True)
-        for state, scalars in zip(states, self.scalars):
-            state.update(scalars)
+            for tensor, copy in zip([*self.model.parameters(), *self.model.buffers()], self.weights):
+                tensor.copy_(copy, non_blocking=True)
+            for i, j, p in self._params():
+                state, held = self.optimizers[i].state, self.held.get((i, j))
+                if held is None:
+                    state.pop(p, None)
+                    continue
+                live = state[p]
+                for k in [k for k in live if k not in held]:
+                    del live[k]
+                for k, v in held.items():
+                    if torch.is_tensor(v) and torch.is_tensor(live.get(k)) and live[k].shape == v.shape:
+                        live[k].copy_(v, non_blocking=True)
+                    else:  # a python number, or state gone since the snapshot
+                        live[k] = v.to(p.device, copy=True) if torch.is_tensor(v) else v
         self.model.zero_grad(set_to_none=True)
 
 
@@ -70,7 +105,8 @@ class Guard:
     def __init__(self, model, optimizers, device, say):
         self.model, self.optimizers, self.device, self.say = model, optimizers, device, say
         self.trusted, self.pending = Snapshot(model, optimizers, device), Snapshot(model, optimizers, device)
-        self.trusted.take(0)
+        self.trusted.take(0, 0)
+        self.restored_at = None  # the loop's step at the last restore (the weights are the trusted ones until it moves)
         self.last_snapshot_s = 0.0
         self.smoothed, self.best, self.high_syncs = None, math.inf, 0
         self.rollbacks = []  # one dict each, for the summary
@@ -98,11 +134,11 @@ class Guard:
                 self.pending.step, self.trusted.loss = None, loss
         return None
 
-    def maybe_snapshot(self, step, elapsed):
+    def maybe_snapshot(self, step, tokens, elapsed):
         """A pending snapshot at this healthy sync, SNAPSHOT_EVERY_S after the last. Returns whether one was taken."""
         if self.high_syncs or self.pending.step is not None or elapsed - self.last_snapshot_s < SNAPSHOT_EVERY_S:
             return False
-        self.pending.take(step)
+        self.pending.take(step, tokens)
         self.last_snapshot_s = elapsed
         return True
 
@@ -111,6 +147,7 @@ class Guard:
         if len(self.rollbacks) >= MAX_ROLLBACKS:
             return False
         self.trusted.restore()
+        self.restored_at = step
         if batch_factor > 1.0 and not self.drop_batch_factor:
             self.drop_batch_factor = True
         else:
@@ -126,8 +163,15 @@ class Guard:
         )
         return True
 
-    def restore_for_the_final_save(self, diverged):
-        """Before the final save: a run that diverged, or weights that are not finite, go back to the trusted one."""
+    def restore_for_the_final_save(self, step, diverged):
+        """Before the final save at this step: a run that diverged, or weights that are not finite, go back to the
+        trusted snapshot."""
         if diverged or not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
             self.trusted.restore()
+            self.restored_at = step
             self.say(f"the final checkpoint holds the weights of step {self.trusted.step}, the last trusted snapshot")
+
+    def weights_of(self, step, tokens):
+        """(step, tokens) the model's weights are from at this step of the loop: the trusted snapshot's when it was
+        restored here and nothing trained since, else these."""
+        return (self.trusted.step, self.trusted.tokens) if self.restored_at == step else (step, tokens)

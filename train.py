@@ -81,7 +81,7 @@ def main(argv=None):
     if unknown:
         say(f"ignoring unknown flags: {' '.join(unknown)}")
     try:  # flag errors are the same on every rank: each exits on its own
-        check_flags(hp)
+        check_flags(hp, model_switches)
     except ValueError as e:
         fail(f"error: {e}")
     for sentence in overridden_flags(hp):
@@ -89,7 +89,13 @@ def main(argv=None):
     if hp.dry_run:
         dry_run(hp, model_switches, say)
         return
-    run = launch(hp, model_switches, stop_signal, say)
+    try:  # a peer that dies in the checks', the plan's or the warm-up's collectives: one sentence, not a traceback
+        run = launch(hp, model_switches, stop_signal, say)
+    except RuntimeError as e:
+        if not (dist.is_initialized() and lost_contact(e)):
+            raise
+        rank = dist.get_rank()
+        fail(f"error: rank {rank} lost contact with the other ranks before training ({why(e)}); no step ran", code=1)
     try:
         with run.attention.active():  # once, around loop and finish: step 0 traces and validation runs under it
             saved = train(run)
@@ -98,13 +104,19 @@ def main(argv=None):
             raise
         run.checkpointer.wait()
         fail(
-            f"error: rank {run.rank} lost contact with the other ranks ({str(e).splitlines()[0][:200]}); "
-            f"{run.hp.checkpoint_path} holds the last save",
+            f"error: rank {run.rank} lost contact with the other ranks ({why(e)}); {run.hp.checkpoint_path} holds the "
+            f"last save",
             code=1,
         )
     code = 0 if saved else 1  # a failed final save: rank 0 still meets the others at the barrier, then exits 1
     if dist.is_initialized():
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError as e:  # every rank has saved and validated: a peer gone now takes nothing from the run
+            if not lost_contact(e):
+                raise
+            message = f"warning: rank {run.rank}: a peer left before the final barrier ({why(e)}); the run had finished"
+            print(message, file=sys.stderr, flush=True)
         dist.destroy_process_group()
         if run.device.type == "cpu":  # torch 2.13's gloo can abort in interpreter teardown (~10% of clean runs)
             sys.stdout.flush()
@@ -112,6 +124,11 @@ def main(argv=None):
             os._exit(code)
     if code:
         sys.exit(code)
+
+
+def why(error):
+    """The first line of a collective's error, for a one-sentence message."""
+    return str(error).splitlines()[0][:200]
 
 
 def stop_with_the_launcher(parent=None):
@@ -293,10 +310,10 @@ def host_sync(run, clock, log, state, guard, loss_sum, elapsed, amp):
         return stop_reason
     loss_sum.zero_()
     pause_start = time.perf_counter()  # snapshots, validation and saves: planned by the clock, not steps
-    guard.maybe_snapshot(state.step, elapsed)
+    guard.maybe_snapshot(state.step, state.tokens, elapsed)
     if run.rank == 0 and run.hp.save_every_min > 0 and elapsed - state.last_save >= run.hp.save_every_min * 60:
         log.failed_save()
-        run.checkpointer.save(run.raw_model, log.meta(state.step, state.tokens), background=True)
+        run.checkpointer.save(run.raw_model, log.meta(*guard.weights_of(state.step, state.tokens)), background=True)
         state.last_save = elapsed
     if val_batches := clock.validation_batches(elapsed, state.last_val):
         val_start = time.perf_counter()
@@ -413,10 +430,11 @@ def first_compiled_step(run, accum, amp):
 def finish(run, log, clock, amp, state, guard):
     """After the clock: save first, then validate (a slow eval can never cost the checkpoint), then the summary.
     A run that diverged after its last rollback saves its last trusted snapshot, and exits 0."""
-    hp, device, step, tokens, train_s = run.hp, run.device, state.step, state.tokens, state.train_s
+    hp, device, train_s = run.hp, run.device, state.train_s
     if state.stop_reason == "diverged":
         run.say(f"stopping: the loss diverged after {len(guard.rollbacks)} rollback(s)")
-    guard.restore_for_the_final_save(diverged=state.stop_reason == "diverged")
+    guard.restore_for_the_final_save(state.step, diverged=state.stop_reason == "diverged")
+    step, tokens = guard.weights_of(state.step, state.tokens)  # what the checkpoint and the final validation hold
     saved = True
     if run.rank == 0:
         log.failed_save()
@@ -431,6 +449,7 @@ def finish(run, log, clock, amp, state, guard):
     val_loss = evaluate(run.raw_model, run.val[:val_batches], device, amp)
     log.emit({"step": step, "elapsed_s": round(train_s, 3), "tokens": tokens, "val_loss": val_loss})
     summary = {**summary_row(run, clock, state, val_loss, val_batches), "rollbacks": guard.rollbacks}
+    summary["weights_step"] = step  # below "steps" when the run ends on restored weights
     log.emit(summary)
     log.close(train_s)
     run.say(human_summary(summary, hp))

@@ -232,3 +232,42 @@ def test_the_forced_batch_follows_the_measured_speed_both_ways_at_the_event(spee
     assert 0.9 * allowed <= steps <= 5000 and done == 1.0, (speed, steps, allowed, clock.notes)
     assert 600.0 - 2 * unit_s * clock.accum < end <= 600.0 + unit_s * clock.accum, (speed, end)
     assert min(accums) >= plan.min_accum
+
+
+@pytest.mark.parametrize("compile_share", [1.0, 1.3, 3.0])
+@pytest.mark.parametrize("replan", [True, False])
+def test_a_compile_longer_than_the_budget_is_followed_by_one_step_at_the_floor(compile_share, replan):
+    """The event's plan (600 s, cap 5000, accumulation 6, 133.6 ms forecast) whose first step compiles for longer than
+    the whole budget: that step ran high in the schedule, so one step at the floor follows it (less than a step past
+    the compile), and the run stops there."""
+    clock = C.Clock(600.0, 5000, 6, 1.0, may_replan=replan, planned_step_s=0.1336, min_accum=2)
+    seen, begin = [], clock.begin_step
+    clock.begin_step = lambda step: seen.append(begin(step)) or seen[-1]
+    steps, done, end, _, _ = simulate(clock, 0.1336 / 6, stall=(0, compile_share * 600.0))
+    assert seen[0][0] < 0.01 and steps == 2 and done == 1.0, (seen, steps)
+    assert end == pytest.approx(compile_share * 600.0 + 2 * 0.1336), end
+
+
+@pytest.mark.parametrize("speed", [1.5, 3.0])
+def test_a_plan_of_one_step_replans_from_the_measured_step(speed):
+    """A plan that fits one 40 s step in 60 s, on a device `speed` x faster: the first step measures it, and the steps
+    that then fit run (at the floor: the schedule never goes back), inside the budget; with --max_steps 1, one."""
+    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=True, planned_step_s=40.0)
+    steps, done, end, _, _ = simulate(clock, 40.0 / speed)
+    assert steps == int(60.0 / (40.0 / speed)) and done == 1.0 and end <= 60.0, (steps, end)
+    clock = C.Clock(60.0, 1, 1, 1.0, may_replan=True, planned_step_s=40.0)
+    assert simulate(clock, 40.0 / speed)[:2] == (1, 1.0)
+
+
+def test_a_first_step_slower_than_the_forecast_leaves_the_forecast_alone():
+    # a compile (or a warm-up) makes the first step slow: it can only lower the forecast, never raise it
+    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=True, planned_step_s=0.5)
+    simulate(clock, 0.5, stall=(0, 20.0))
+    assert clock.planned_unit_s == 0.5
+
+
+def test_a_first_step_past_the_budget_that_was_one_slow_step_gets_no_second_one():
+    # no compile: a plan of six 10 s steps in 60 s on a device 7x slower; a second step would end 70 s later still
+    clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=True, planned_step_s=10.0)
+    steps, _, end, _, _ = simulate(clock, 70.0)
+    assert (steps, end) == (1, 70.0) and not clock.notes

@@ -128,10 +128,13 @@ def test_a_diverging_run_never_saves_non_finite_weights(tmp_path, token_dir):
         "1e-9",
     ]
     proc, _ = run_train(args, tmp_path)  # each rollback halves LRs a million times too high: they run out
-    _, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    _, val, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["stop_reason"] == "diverged" and len(summary["rollbacks"]) == 3, summary
-    assert "the last trusted snapshot" in proc.stdout
     model, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    # the checkpoint and the final validation row say the step of the snapshot they hold, not the last step run
+    assert f"holds the weights of step {ckpt['step']}, the last trusted snapshot" in proc.stdout
+    assert ckpt["step"] == val[-1]["step"] == summary["weights_step"] < summary["steps"], (ckpt["step"], summary)
+    assert ckpt["tokens"] == val[-1]["tokens"] < summary["tokens"]
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
     assert not list(tmp_path.glob("*.tmp"))
 

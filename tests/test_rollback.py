@@ -44,8 +44,8 @@ def test_a_snapshot_is_trusted_after_a_healthy_sync_and_a_rollback_trains_on_exa
     model, optimizers = small_model_and_optimizers()
     guard = R.Guard(model, optimizers, torch.device("cpu"), print)  # the initial weights: trusted
     train_steps(model, optimizers, 3, seed=0)
-    assert guard.diverged(4.0) is None and not guard.maybe_snapshot(step=3, elapsed=10.0)  # 30 s apart
-    assert guard.maybe_snapshot(step=3, elapsed=31.0) and guard.trusted.step == 0 and guard.pending.step == 3
+    assert guard.diverged(4.0) is None and not guard.maybe_snapshot(step=3, tokens=96, elapsed=10.0)  # 30 s apart
+    assert guard.maybe_snapshot(step=3, tokens=96, elapsed=31.0) and guard.trusted.step == 0 and guard.pending.step == 3
     expected = [p.detach().clone() for p in model.parameters()]
     state = [v.clone() for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     train_steps(model, optimizers, 2, seed=1)
@@ -57,6 +57,8 @@ def test_a_snapshot_is_trusted_after_a_healthy_sync_and_a_rollback_trains_on_exa
     assert all(torch.equal(a, p) for a, p in zip(expected, model.parameters()))
     restored = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     assert all(torch.equal(a, b) for a, b in zip(state, restored)) and len(state) == len(restored) > 0
+    # until the next step the weights are step 3's, and the checkpoint and the log say so
+    assert guard.weights_of(9, 288) == (3, 96) and guard.weights_of(10, 320) == (10, 320)
 
 
 def test_a_rollback_to_the_initial_weights_starts_the_optimizers_afresh():
@@ -67,6 +69,55 @@ def test_a_rollback_to_the_initial_weights_starts_the_optimizers_afresh():
     assert guard.roll_back(step=2, why="test", batch_factor=1.0) and guard.rollbacks[0]["to_step"] == 0
     assert all(torch.equal(a, p) for a, p in zip(initial, model.parameters()))
     assert all(not opt.state for opt in optimizers)
+
+
+def untie_model_and_optimizers():
+    torch.manual_seed(0)
+    config = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 32, "untie_at": 0.5}
+    model = get_model(config)
+    return model, build_optimizers(model, use_muon=True, muon_lr=0.02, embed_lr=0.1, head_lr=0.01, scalar_lr=0.01)
+
+
+def untie_steps(model, optimizers, n, progress, seed):
+    model.set_progress(progress)  # before untie_at the embedding gets no gradient of its own, so no AdamW state
+    train_steps(model, optimizers, n, seed)
+
+
+def test_optimizer_state_that_appears_after_the_snapshot_is_reset_and_the_rest_restored_in_place():
+    model, optimizers = untie_model_and_optimizers()
+    adamw, wte = optimizers[1], model.wte.weight
+    guard = R.Guard(model, optimizers, torch.device("cpu"), print)
+    untie_steps(model, optimizers, 3, progress=0.1, seed=0)
+    assert guard.maybe_snapshot(step=3, tokens=192, elapsed=31.0) and guard.diverged(4.0) is None
+    assert guard.trusted.step == 3 and wte not in adamw.state
+    expected = {p: {k: v.clone() for k, v in s.items()} for opt in optimizers for p, s in opt.state.items()}
+    live = {p: dict(s) for opt in optimizers for p, s in opt.state.items()}
+    untie_steps(model, optimizers, 2, progress=0.6, seed=1)  # untied: the embedding's AdamW state appears
+    with torch.no_grad():  # and blows up, as state that appeared in the bad stretch can
+        for value in adamw.state[wte].values():
+            value.fill_(float("nan"))
+    assert guard.roll_back(step=5, why="test", batch_factor=1.0)
+    assert wte not in adamw.state  # reset: it starts afresh, as it first did
+    state = {p: s for opt in optimizers for p, s in opt.state.items()}
+    assert state.keys() == expected.keys()
+    for p, saved in expected.items():
+        assert state[p].keys() == saved.keys() and all(torch.equal(state[p][k], v) for k, v in saved.items())
+        assert all(state[p][k] is live[p][k] for k in saved)  # copied in place: the same tensors
+    untie_steps(model, optimizers, 2, progress=0.7, seed=2)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_key_that_appears_after_the_snapshot_is_removed_and_a_python_number_travels_by_value():
+    model, optimizers = small_model_and_optimizers()
+    guard = R.Guard(model, optimizers, torch.device("cpu"), print)
+    train_steps(model, optimizers, 2, seed=0)
+    muon_state = next(iter(optimizers[0].state.values()))
+    muon_state["count"] = 2  # an optimizer that keeps a python number
+    assert guard.maybe_snapshot(step=2, tokens=128, elapsed=31.0) and guard.diverged(4.0) is None
+    muon_state["count"] = 7
+    muon_state["second_moment"] = torch.full((3,), float("nan"))  # a key the snapshot never saw (NorMuon's kind)
+    assert guard.roll_back(step=4, why="test", batch_factor=1.0)
+    assert muon_state["count"] == 2 and "second_moment" not in muon_state
 
 
 def test_each_rollback_drops_the_batch_factor_first_then_halves_the_lr_and_they_run_out():
