@@ -17,11 +17,15 @@ LOG2E = 1 / math.log(2)
 
 
 def chunk_loss(y, targets, cap, need_grad):
-    """The loss math of one chunk, float32, in place on y (rows, V): the head matmul's output as HeadLoss scales it
-    (capped: -2/cap times x @ weight.T; uncapped: log2(e) times it). Returns the row losses, the row sums of the
-    exps and, with need_grad, the rows' loss gradients by x @ weight.T, each times its row sum over HeadLoss's slope.
-    A function of its own so that compiled runs fuse its passes (GPT.compile_per_block); eagerly, each is a pass of
-    its own over the chunk (bandwidth-bound on GPU; on CPU the sigmoid's and exp2's arithmetic bounds them)."""
+    """The loss math of one chunk, in place: y (rows, V), the head matmul's output as HeadLoss scales it (capped:
+    -2/cap times x @ weight.T; uncapped: log2(e) times it), in the matmul's dtype, upcast to float32 first. Returns
+    the row losses, the row sums of the exps and, with need_grad, the rows' loss gradients by x @ weight.T in y's
+    dtype, each times its row sum over HeadLoss's slope. Eagerly each op is one pass over the chunk, in place where
+    it can be: on CPU the sigmoid's and exp2's arithmetic bounds them, so fewer passes would not pay (BENCHMARKS.md).
+    Compiled, inductor must realise exp2 (on CPU the sigmoid too) as a float32 chunk for the scatter and write back
+    into y: fine where arithmetic bounds it (CPU), ~6x the bytes of functional_chunk_loss where bytes do (CUDA)."""
+    dtype = y.dtype
+    y = y.to(torch.promote_types(dtype, torch.float32))
     if cap:
         s = y.sigmoid_()
         z = s * (-2 * cap * LOG2E)
@@ -37,7 +41,34 @@ def chunk_loss(y, targets, cap, need_grad):
     g = e.scatter_add_(1, targets, -total)
     if cap:
         g = torch.ops.aten.sigmoid_backward.grad_input(g, s, grad_input=s)  # s is not needed again
-    return row_loss, total, g
+    return row_loss, total, g.to(dtype)
+
+
+def functional_chunk_loss(y, targets, cap, need_grad):
+    """chunk_loss's math and contract, written for inductor: no in-place op, the target logits gathered from y (a
+    column each), the one-hot a comparison with the column index instead of a scatter, y upcast inside and g cast
+    back inside. So nothing forces a (rows, V) intermediate into memory: compiled for CUDA, it is one reduction pass
+    (the row sums of the exps; uncapped, the row max too) and one pointwise pass that writes g in y's dtype
+    (BENCHMARKS.md, "Head loss: the functional form"). Eagerly it makes ~2x chunk_loss's passes."""
+    acc = torch.promote_types(y.dtype, torch.float32)
+    if cap:
+        s = y.to(acc).sigmoid()
+        z = s * (-2 * cap * LOG2E)
+        target_logit = y.gather(1, targets).to(acc).sigmoid() * (-2 * cap * LOG2E) / LOG2E  # rounded as chunk_loss
+    else:
+        top = y.amax(1, keepdim=True).to(acc)
+        z = y.to(acc) - top
+        target_logit = (y.gather(1, targets).to(acc) - top) / LOG2E
+    e = z.exp2()
+    total = e.sum(1, keepdim=True)
+    row_loss = (total.log() - target_logit).squeeze(1)
+    if not need_grad:
+        return row_loss, total, None
+    columns = torch.arange(y.size(1), device=y.device)
+    g = torch.where(columns == targets, e - total, e)
+    if cap:
+        g = g * (1 - s) * s  # sigmoid's derivative, in sigmoid_backward's order
+    return row_loss, total, g.to(y.dtype)
 
 
 class HeadLoss(torch.autograd.Function):
@@ -72,10 +103,9 @@ class HeadLoss(torch.autograd.Function):
         for i in range(0, x.size(0), rows):
             x_c, t_c = x_in[i : i + rows], targets[i : i + rows]
             n = x_c.size(0)
-            row_loss[i : i + n], total, g = chunk_fn(torch.mm(x_c, w.t()).to(acc), t_c, cap, need_grad)
+            row_loss[i : i + n], total, g = chunk_fn(torch.mm(x_c, w.t()), t_c, cap, need_grad)
             if not need_grad:
                 continue
-            g = g.to(dtype)
             scale = slope * row_weight[i : i + n, None] / total  # commutes with the matmuls
             dx[i : i + n] = torch.mm(g, w).mul_(scale)
             x_scaled = (x[i : i + n] * scale).to(dtype)
@@ -124,10 +154,27 @@ def head_loss(x, weight, targets, cap=0.0, rows=None, chunk_fn=chunk_loss):
     return HeadLoss.apply(x, weight, targets.long(), cap, rows, dtype, need_grad, chunk_fn)
 
 
+# The form a compiled run traces, by device. CUDA: bytes bound the loss math, and the functional form moves ~6x fewer
+# (two passes over a bf16 chunk against float32 buffers written and re-read). CPU: the sigmoid's and exp2's arithmetic
+# bounds it, and compiled for the CPU the functional form computes exp2 twice: 1.24x the in-place form's time at
+# float32, capped (BENCHMARKS.md, "Head loss: the functional form").
+TRACED_FORMS = {"cuda": functional_chunk_loss}
+
+
+def compiled_chunk_loss(y, targets, cap, need_grad):
+    """What compiled_head_loss compiles: the device's TRACED_FORMS entry when traced (chunk_loss if none), chunk_loss
+    when it runs eagerly (the step-0 fallback and guard misses run under the force_eager stance), where the in-place
+    form makes fewer passes."""
+    if torch.compiler.is_compiling():
+        return TRACED_FORMS.get(y.device.type, chunk_loss)(y, targets, cap, need_grad)
+    return chunk_loss(y, targets, cap, need_grad)
+
+
 def compiled_head_loss(wrap=lambda fn: fn):
     """head_loss with its per-chunk loss math compiled (eagerly, one pass over the (rows, V) logits per op,
     bandwidth-bound on GPU); wrap: what the compiled function runs inside (launch.EagerRuns.wrap)."""
-    return functools.partial(head_loss, chunk_fn=wrap(torch.compile(chunk_loss, fullgraph=True, dynamic=False)))
+    compiled = torch.compile(compiled_chunk_loss, fullgraph=True, dynamic=False)
+    return functools.partial(head_loss, chunk_fn=wrap(compiled))
 
 
 def chunk_graphs(micro_tokens, vocab_rows, device_type):
