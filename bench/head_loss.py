@@ -19,8 +19,9 @@ the chunk loss math's two forms (headloss.chunk_loss in place, headloss.function
    highest live bytes after the final norm returns, minus those live at that moment.
 3. ms per chunk of each form of the loss math, eager and compiled, and today's compiled CUDA path before this form
    (the in-place form compiled, the float32 upcast and the downcast of g around it, eager), capped and uncapped,
-   at the chunk the device's training takes at a 32,000 vocabulary (CUDA: the event's 3,328 rows in bf16; CPU: 512
-   rows, float32 as CPU training runs and bf16): medians of --rounds, the forms alternating round by round.
+   with one target a row and with --mtp's three (what multi-token prediction costs the loss math),
+   at the chunk the device's training takes at a 32,000 vocabulary (CUDA: the event's 3,328 rows in bf16, capped
+   only; CPU: 512 rows, float32 as CPU training runs and bf16): medians of --rounds, all alternating round by round.
 4. Their agreement with the in-place form eagerly: the largest row-loss difference and the largest gradient
    difference over the largest gradient entry.
 5. What inductor makes of each compiled form (CPU codegen, 256 rows): the (rows, V) buffers it allocates and the
@@ -171,8 +172,8 @@ def casts_outside(compiled):
     """Today's compiled CUDA path before the functional form: the matmul's output upcast to float32 and g cast back
     by eager ops around the compiled in-place form."""
 
-    def call(y, targets, cap, need_grad):
-        row_loss, total, g = compiled(y.float(), targets, cap, need_grad)
+    def call(y, targets, mix, cap, need_grad):
+        row_loss, total, g = compiled(y.float(), targets, mix, cap, need_grad)
         return row_loss, total, g.to(y.dtype)
 
     return call
@@ -191,55 +192,68 @@ def chunk_forms():
     }
 
 
-def chunk_inputs(rows, vocab, dtype, device):
-    """A chunk as HeadLoss hands it over: y with logits' spread (capped: past the cap), targets (rows, 1)."""
+MTP_MIX = torch.tensor([1.0, 0.5, 0.25]) / 1.75  # --mtp's first weights, as HeadLoss hands them to a chunk
+
+
+def chunk_inputs(rows, vocab, dtype, device, k=1):
+    """A chunk as HeadLoss hands it over: y with logits' spread (capped: past the cap), targets (rows, k) and their
+    mix (k = 3: multi-token prediction's first weights)."""
     gen = torch.Generator().manual_seed(0)
     y = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
-    return y, torch.randint(0, vocab, (rows, 1), generator=gen).to(device)
+    mix = torch.ones(rows, 1) if k == 1 else MTP_MIX.expand(rows, k)
+    return y, torch.randint(0, vocab, (rows, k), generator=gen).to(device), mix.contiguous().to(device)
 
 
-def time_forms(forms, y, targets, cap, rounds):
-    """{form: median ms of one call} and {form: (row-loss difference, gradient difference / largest gradient)}
-    against the in-place form eagerly; each call gets a fresh copy of y (the in-place form writes into it)."""
-    sync = torch.cuda.synchronize if y.is_cuda else lambda: None
-    reference = chunk_loss(y.clone(), targets, cap, True)
-    times, agreement = {name: [] for name in forms}, {}
-    for name, fn in forms.items():  # warm-up and compilation
-        row_loss, _, g = fn(y.clone(), targets, cap, True)
-        agreement[name] = (
-            (row_loss - reference[0]).abs().max().item(),
-            ((g.float() - reference[2].float()).abs().max() / reference[2].float().abs().max()).item(),
-        )
-    for _ in range(rounds):
+def time_forms(forms, inputs, cap, rounds):
+    """{(form, k): median ms of one call} and {(form, k): (row-loss difference, gradient difference / largest
+    gradient)} against the in-place form eagerly, for inputs {k: (y, targets, mix)}; every (form, k) once a round, so
+    neighbours in time compare. Each call gets a fresh copy of y (the in-place form writes into it)."""
+    sync = torch.cuda.synchronize if inputs[1][0].is_cuda else lambda: None
+    times, agreement = {}, {}
+    for k, (y, targets, mix) in inputs.items():  # warm-up and compilation
+        reference = chunk_loss(y.clone(), targets, mix, cap, True)
         for name, fn in forms.items():
+            row_loss, _, g = fn(y.clone(), targets, mix, cap, True)
+            agreement[name, k] = (
+                (row_loss - reference[0]).abs().max().item(),
+                ((g.float() - reference[2].float()).abs().max() / reference[2].float().abs().max()).item(),
+            )
+            times[name, k] = []
+    for _ in range(rounds):
+        for name, k in times:
+            y, targets, mix = inputs[k]
             y_copy = y.clone()
             sync()
             start = time.perf_counter()
-            fn(y_copy, targets, cap, True)
+            forms[name](y_copy, targets, mix, cap, True)
             sync()
-            times[name].append(1000 * (time.perf_counter() - start))
-    return {name: statistics.median(t) for name, t in times.items()}, agreement
+            times[name, k].append(1000 * (time.perf_counter() - start))
+    return {key: statistics.median(t) for key, t in times.items()}, agreement
 
 
 def print_forms(device, rounds):
     vocab = SHAPE["vocab_size"]
     rows = 3328 if device.type == "cuda" else chunk_rows(8 * 1024, vocab, LOSS_CHUNK_BYTES["cpu"])
+    # CUDA: the event's case alone (bf16, capped), so bench/gpu_check.sh's call stays short: 6 compiles
     dtypes = (torch.bfloat16,) if device.type == "cuda" else (torch.float32, torch.bfloat16)
+    caps = (15.0,) if device.type == "cuda" else (15.0, 0.0)
     forms = chunk_forms()
     print(f"\nms per chunk of {rows} x {vocab} on {device}, median of {rounds} rounds; agreement with in-place eager")
-    print(f"{'dtype':<9} {'cap':>4} {'form':<33} {'ms':>8} {'loss diff':>10} {'g diff':>8}")
+    print(f"{'dtype':<9} {'cap':>4} {'targets':>7} {'form':<33} {'ms':>8} {'loss diff':>10} {'g diff':>8}")
     for dtype in dtypes:
-        for cap in (15.0, 0.0):
-            y, targets = chunk_inputs(rows, vocab, dtype, device)
-            ms, agreement = time_forms(forms, y, targets, cap, rounds)
-            for name in forms:
-                loss_diff, g_diff = agreement[name]
-                print(f"{str(dtype)[6:]:<9} {cap:4.0f} {name:<33} {ms[name]:8.2f} {loss_diff:10.1e} {g_diff:8.1e}")
-            ratio = ms["functional compiled"] / ms["in-place compiled, casts outside"]
-            print(f"{'':<14} functional compiled / in-place compiled, casts outside: {ratio:.2f}x")
+        for cap in caps:
+            inputs = {k: chunk_inputs(rows, vocab, dtype, device, k) for k in (1, 3)}  # --mtp: three a row
+            ms, agreement = time_forms(forms, inputs, cap, rounds)
+            for (name, k), (loss_diff, g_diff) in agreement.items():
+                row = f"{str(dtype)[6:]:<9} {cap:4.0f} {k:7d} {name:<33} {ms[name, k]:8.2f}"
+                print(f"{row} {loss_diff:10.1e} {g_diff:8.1e}")
+            ratio = ms["functional compiled", 1] / ms["in-place compiled, casts outside", 1]
+            print(f"{'':<22} functional compiled / in-place compiled, casts outside: {ratio:.2f}x")
+            ratios = ", ".join(f"{name} {ms[name, 3] / ms[name, 1]:.2f}x" for name in forms)
+            print(f"{'':<22} 3 targets / 1: {ratios}")
 
 
-def compiled_code(fn, y, targets, cap, cpu_heuristics):
+def compiled_code(fn, y, targets, mix, cap, cpu_heuristics):
     """The output code inductor writes for fn at these inputs; cpu_heuristics False: with ir.is_cpu answering False
     in its realize heuristics (the only places it asks), as a CUDA device's lowering decides."""
     from unittest import mock
@@ -249,28 +263,29 @@ def compiled_code(fn, y, targets, cap, cpu_heuristics):
 
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
     with config.patch(fx_graph_cache=False), mock.patch.object(ir, "is_cpu", lambda node: cpu_heuristics):
-        return run_and_get_code(compiled, y, targets, cap, True)[1][-1]
+        return run_and_get_code(compiled, y, targets, mix, cap, True)[1][-1]
 
 
 def print_codegen(code_dir):
     rows, vocab = 256, SHAPE["vocab_size"]
-    forms = {  # (form, the dtype it is handed) as the CUDA path calls it, before and after
-        "in-place (before: float32 in)": (chunk_loss, torch.float32),
-        "functional (after: bf16 in)": (functional_chunk_loss, torch.bfloat16),
+    forms = {  # (form, the dtype it is handed, targets a row) as the CUDA path calls it, before and after
+        "in-place (before: float32 in)": (chunk_loss, torch.float32, 1),
+        "functional (after: bf16 in)": (functional_chunk_loss, torch.bfloat16, 1),
+        "functional, --mtp's 3 targets": (functional_chunk_loss, torch.bfloat16, 3),
     }
     print(f"\ninductor's code for a {rows} x {vocab} chunk: (rows, V) buffers allocated and loops over the chunk")
     print(f"{'form':<30} {'cap':>4} {'heuristics':<11} {'(rows, V) buffers':<28} {'loops':>5}")
     full = re.compile(rf"empty_strided_cpu\(\({rows}, {vocab}\), \({vocab}, 1\), torch\.(\w+)\)")
     loop = re.compile(rf"for\(.*<static_cast<int64_t>\(({vocab}|{rows * vocab})L\)")
-    for name, (fn, dtype) in forms.items():
+    for name, (fn, dtype, k) in forms.items():
         for cap in (15.0, 0.0):
-            y, targets = chunk_inputs(rows, vocab, dtype, torch.device("cpu"))
+            inputs = chunk_inputs(rows, vocab, dtype, torch.device("cpu"), k)
             for heuristics in ("cpu", "cuda's"):
-                code = compiled_code(fn, y, targets, cap, heuristics == "cpu")
+                code = compiled_code(fn, *inputs, cap, heuristics == "cpu")
                 buffers = ", ".join(full.findall(code)) or "none"
                 print(f"{name:<30} {cap:4.0f} {heuristics:<11} {buffers:<28} {len(loop.findall(code)):5d}")
                 if code_dir:
-                    slug = f"{name.split()[0]}_cap{cap:.0f}_{heuristics[:3]}".replace("-", "_")
+                    slug = f"{name.split()[0]}{k}_cap{cap:.0f}_{heuristics[:3]}".replace("-", "_").replace(",", "")
                     pathlib.Path(code_dir, f"{slug}.py").write_text(code)
 
 
