@@ -159,6 +159,15 @@ class Hyperparameters:
     )
     muon_momentum: float = flag(0.95, "Muon momentum after --momentum_warmup_frac", at_least=0.0, below=1.0)
     momentum_warmup_frac: float = flag(0.15, "fraction of the run over which Muon momentum warms up", **FRACTION)
+    # multi-token prediction, [1, 0.5, 0.25 -> 0] over the first 1/12 of the steps, [1, 0.5 -> 0] to 1/6, then the
+    # next token alone: mnGPT short track #53 (2025-12-22, with the late untie: -80 of ~1,845 steps), medium track
+    # since #188. Here at l4w128: +0.049/+0.068/+0.067 at 40 steps (worse on 3/3 seeds), +0.142 at 120; step time
+    # unchanged (BENCHMARKS.md, "Multi-token prediction"): off
+    mtp: bool = flag(
+        False,
+        "multi-token prediction early in the run: the head's logits also scored against the 2nd and 3rd next tokens, "
+        "their weights fading to 0 by 1/6 of the run (train.mtp_weights); validation stays next-token",
+    )
     # --- device and runtime ---
     device: str = flag("auto", "auto (CUDA if present), cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = flag("auto", "compile each transformer block; auto: on CUDA only", bool)

@@ -11,33 +11,72 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 LOG2E = 1 / math.log(2)
 
 
-def chunk_loss(y, targets, cap, need_grad):
-    """The loss math of one chunk, float32, in place on y (rows, V): the head matmul's output as HeadLoss scales it
-    (capped: -2/cap times x @ weight.T; uncapped: log2(e) times it). Returns the row losses, the row sums of the
-    exps and, with need_grad, the rows' loss gradients by x @ weight.T, each times its row sum over HeadLoss's slope.
-    A function of its own so that compiled runs fuse its passes (GPT.compile_per_block); eagerly, each is a pass of
-    its own over the chunk (bandwidth-bound on GPU; on CPU the sigmoid's and exp2's arithmetic bounds them)."""
+def chunk_loss(y, targets, mix, cap, need_grad):
+    """The loss math of one chunk, in place: y (rows, V), the head matmul's output as HeadLoss scales it (capped:
+    -2/cap times x @ weight.T; uncapped: log2(e) times it), in the matmul's dtype, upcast to float32 first; targets
+    (rows, k), each row's next token and with multi-token prediction the k - 1 after it, scored against the same
+    logits; mix (rows, k), each target's share of its row's loss (a row's shares sum to 1, an ignored target's is 0).
+    Returns the row losses (the mix of the targets' cross-entropies), the row sums of the exps and, with need_grad,
+    the rows' loss gradients by x @ weight.T in y's dtype, each times its row sum over HeadLoss's slope. Eagerly
+    each op is one pass over the chunk, in place where it can be: on CPU the sigmoid's and exp2's arithmetic bounds
+    them, so fewer passes would not pay (BENCHMARKS.md).
+    Compiled, inductor must realise exp2 (on CPU the sigmoid too) as a float32 chunk for the scatter and write back
+    into y: fine where arithmetic bounds it (CPU), ~6x the bytes of functional_chunk_loss where bytes do (CUDA)."""
+    dtype = y.dtype
+    y = y.to(torch.promote_types(dtype, torch.float32))
     if cap:
         s = y.sigmoid_()
         z = s * (-2 * cap * LOG2E)
     else:
         z = y.sub_(y.amax(1, keepdim=True))
-    target_logit = z.gather(1, targets) / LOG2E
+    target_logit = (z.gather(1, targets) * mix).sum(1, keepdim=True) / LOG2E
     e = z.exp2_()
     total = e.sum(1, keepdim=True)
     row_loss = (total.log() - target_logit).squeeze(1)
     if not need_grad:
         return row_loss, total, None
-    # d loss_row / d logits = softmax - onehot = (e - total * onehot) / total; the 1/total is left to the caller
-    g = e.scatter_add_(1, targets, -total)
+    # d loss_row / d logits = softmax - the mix of one-hots = (e - total * mixed one-hots) / total; the 1/total is
+    # left to the caller
+    g = e.scatter_add_(1, targets, -total * mix)
     if cap:
         g = torch.ops.aten.sigmoid_backward.grad_input(g, s, grad_input=s)  # s is not needed again
-    return row_loss, total, g
+    return row_loss, total, g.to(dtype)
+
+
+def functional_chunk_loss(y, targets, mix, cap, need_grad):
+    """chunk_loss's math and contract, written for inductor: no in-place op, the target logits gathered from y (a
+    column each), the one-hots comparisons with the column index instead of a scatter, y upcast inside and g cast
+    back inside. So nothing forces a (rows, V) intermediate into memory: compiled for CUDA, it is one reduction pass
+    (the row sums of the exps; uncapped, the row max too) and one pointwise pass that writes g in y's dtype
+    (BENCHMARKS.md, "Head loss: the functional form"). Eagerly it makes ~2x chunk_loss's passes."""
+    acc = torch.promote_types(y.dtype, torch.float32)
+    if cap:
+        s = y.to(acc).sigmoid()
+        z = s * (-2 * cap * LOG2E)
+        target_z = y.gather(1, targets).to(acc).sigmoid() * (-2 * cap * LOG2E)
+    else:
+        top = y.amax(1, keepdim=True).to(acc)
+        z = y.to(acc) - top
+        target_z = y.gather(1, targets).to(acc) - top
+    target_logit = (target_z * mix).sum(1, keepdim=True) / LOG2E  # rounded as chunk_loss
+    e = z.exp2()
+    total = e.sum(1, keepdim=True)
+    row_loss = (total.log() - target_logit).squeeze(1)
+    if not need_grad:
+        return row_loss, total, None
+    columns = torch.arange(y.size(1), device=y.device)
+    # a comparison per target in the one pointwise pass: k targets add no pass over the chunk
+    mixed_one_hots = sum(torch.where(columns == targets[:, j, None], mix[:, j, None], 0.0) for j in range(mix.size(1)))
+    g = e - total * mixed_one_hots
+    if cap:
+        g = g * (1 - s) * s  # sigmoid's derivative, in sigmoid_backward's order
+    return row_loss, total, g.to(y.dtype)
 
 
 class HeadLoss(torch.autograd.Function):
@@ -51,15 +90,21 @@ class HeadLoss(torch.autograd.Function):
       sigmoid_backward pass with the softmax gradient;
     - logits are kept in base 2 (scaled by log2(e), folded into a scalar that is applied anyway): exp2 is ~half
       the cost of exp on CPU.
-    Targets -100 are left out of the mean, as F.cross_entropy does."""
+    Targets -100 are left out of the mean, as F.cross_entropy does. With k targets a row (multi-token prediction),
+    each one's cross-entropy counts times its weight; the mean is still over the counted next-token targets."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, cap, rows, dtype, need_grad, chunk_fn):
-        # x (N, C), weight (V, C), targets (N,); dtype is the matmuls' (autocast's), the loss math float32 or wider
+    def forward(ctx, x, weight, targets, target_weights, cap, rows, dtype, need_grad, chunk_fn):
+        # x (N, C), weight (V, C), targets (N, k), target_weights (k,) or None (k = 1); dtype is the matmuls'
+        # (autocast's), the loss math float32 or wider
         acc = torch.promote_types(dtype, torch.float32)
         valid = targets != -100
-        row_weight = valid.to(acc) / valid.sum()  # the mean over counted rows, as F.cross_entropy takes it
-        targets = targets.masked_fill(~valid, 0)[:, None]
+        weights = valid.to(acc) if target_weights is None else valid * target_weights.to(acc)
+        row_total = weights.sum(1, keepdim=True)
+        # each row's share of the mean over the counted next-token targets, as F.cross_entropy takes it
+        row_weight = row_total.squeeze(1) / valid[:, 0].sum()
+        mix = weights / row_total.clamp(min=torch.finfo(acc).tiny)  # a row with nothing counted: zeros
+        targets = targets.masked_fill(~valid, 0)
         w = weight.to(dtype)
         # capped: the matmul gives -2y/cap and s = sigmoid(-2y/cap); the base-2 logits minus their bound are
         # -2cap * log2(e) * s <= 0, so exp2 never overflows. Uncapped: the matmul gives log2(e) * y directly.
@@ -70,12 +115,11 @@ class HeadLoss(torch.autograd.Function):
         dx = torch.empty_like(x) if need_grad else None
         dw = torch.zeros_like(weight, dtype=acc) if need_grad else None
         for i in range(0, x.size(0), rows):
-            x_c, t_c = x_in[i : i + rows], targets[i : i + rows]
+            x_c, t_c, mix_c = x_in[i : i + rows], targets[i : i + rows], mix[i : i + rows]
             n = x_c.size(0)
-            row_loss[i : i + n], total, g = chunk_fn(torch.mm(x_c, w.t()).to(acc), t_c, cap, need_grad)
+            row_loss[i : i + n], total, g = chunk_fn(torch.mm(x_c, w.t()), t_c, mix_c, cap, need_grad)
             if not need_grad:
                 continue
-            g = g.to(dtype)
             scale = slope * row_weight[i : i + n, None] / total  # commutes with the matmuls
             dx[i : i + n] = torch.mm(g, w).mul_(scale)
             x_scaled = (x[i : i + n] * scale).to(dtype)
@@ -89,7 +133,7 @@ class HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dx, dw = ctx.saved_tensors
-        return dx * grad, dw * grad, None, None, None, None, None, None
+        return dx * grad, dw * grad, None, None, None, None, None, None, None
 
 
 # float32 logits per head_loss chunk, at most. CPU: the (rows, C) @ (C, V) matmul gains up to ~500 rows (measured at
@@ -113,21 +157,46 @@ def chunk_rows(n_rows, vocab_size, max_bytes):
     return cap
 
 
-def head_loss(x, weight, targets, cap=0.0, rows=None, chunk_fn=chunk_loss):
+def head_loss(x, weight, targets, cap=0.0, rows=None, chunk_fn=chunk_loss, mtp_weights=None):
     """F.cross_entropy(cap * tanh(x @ weight.T / cap), targets) (cap 0: no cap) for x (N, C), weight (V, C) and
-    targets (N,), never holding the (N, V) logits. rows: tokens per chunk; by default chunk_rows under LOSS_CHUNK_BYTES.
-    chunk_fn: chunk_loss, or its compiled form."""
+    targets (N,) or (B, T) windows of B * T = N tokens, never holding the (N, V) logits. rows: tokens per chunk; by
+    default chunk_rows under LOSS_CHUNK_BYTES. chunk_fn: chunk_loss, or its compiled form.
+    mtp_weights: multi-token prediction (the mnGPT records' form): a (k,) tensor of weights, the loss then the mean
+    over next-token targets of sum_j mtp_weights[j] * cross-entropy against the target j places later in the same
+    window (j = 0: the next token). Targets past a window's end are none (ignored, as the record drops them past its
+    sequence's end). Data, not shapes: new weights reuse the compiled graphs, k sets them."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     rows = rows or chunk_rows(x.size(0), weight.size(0), LOSS_CHUNK_BYTES.get(device, LOSS_CHUNK_BYTES["cpu"]))
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return HeadLoss.apply(x, weight, targets.long(), cap, rows, dtype, need_grad, chunk_fn)
+    k = 1 if mtp_weights is None else mtp_weights.numel()
+    windows = targets.long().reshape(-1, targets.size(-1))
+    if k > 1:  # (B, T, k): position t's next k tokens in its window, none (-100) past its end
+        windows = F.pad(windows, (0, k - 1), value=-100).unfold(1, k, 1)
+    return HeadLoss.apply(x, weight, windows.reshape(-1, k), mtp_weights, cap, rows, dtype, need_grad, chunk_fn)
+
+
+# The form a compiled run traces, by device. CUDA: bytes bound the loss math, and the functional form moves ~6x fewer
+# (two passes over a bf16 chunk against float32 buffers written and re-read). CPU: the sigmoid's and exp2's arithmetic
+# bounds it, and compiled for the CPU the functional form computes exp2 twice: 1.24x the in-place form's time at
+# float32, capped (BENCHMARKS.md, "Head loss: the functional form").
+TRACED_FORMS = {"cuda": functional_chunk_loss}
+
+
+def compiled_chunk_loss(y, targets, mix, cap, need_grad):
+    """What compiled_head_loss compiles: the device's TRACED_FORMS entry when traced (chunk_loss if none), chunk_loss
+    when it runs eagerly (the step-0 fallback and guard misses run under the force_eager stance), where the in-place
+    form makes fewer passes."""
+    if torch.compiler.is_compiling():
+        return TRACED_FORMS.get(y.device.type, chunk_loss)(y, targets, mix, cap, need_grad)
+    return chunk_loss(y, targets, mix, cap, need_grad)
 
 
 def compiled_head_loss(wrap=lambda fn: fn):
     """head_loss with its per-chunk loss math compiled (eagerly, one pass over the (rows, V) logits per op,
     bandwidth-bound on GPU); wrap: what the compiled function runs inside (launch.EagerRuns.wrap)."""
-    return functools.partial(head_loss, chunk_fn=wrap(torch.compile(chunk_loss, fullgraph=True, dynamic=False)))
+    compiled = torch.compile(compiled_chunk_loss, fullgraph=True, dynamic=False)
+    return functools.partial(head_loss, chunk_fn=wrap(compiled))
 
 
 def chunk_graphs(micro_tokens, vocab_rows, device_type):

@@ -311,8 +311,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, loss_fn=None):
         """(logits, loss), loss None without targets. With loss_fn(x, head_weight, targets, logit_softcap) -> mean
-        loss (training's headloss.head_loss, which never holds the (B, T, V) logits): (None, loss). A keyword, so
-        DDP's wrapper of forward carries it."""
+        loss (training's headloss.head_loss, which never holds the (B, T, V) logits; targets as given, (B, T), so it
+        can tell the windows apart): (None, loss). A keyword, so DDP's wrapper of forward carries it."""
         if loss_fn is not None and targets is None:
             raise ValueError("forward(loss_fn=...) returns the loss alone, so it needs targets")
         B, T = idx.shape
@@ -348,7 +348,7 @@ class GPT(nn.Module):
         x = self.norm_f(x)
         head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
         if loss_fn is not None:
-            return None, loss_fn(x.view(B * T, -1), head, targets.reshape(-1), cfg.logit_softcap)
+            return None, loss_fn(x.view(B * T, -1), head, targets, cfg.logit_softcap)
         if cfg.logit_softcap > 0:
             # the 1/cap goes on the (V, C) weight, not the (B, T, V) logits: one pass fewer over the
             # largest tensor, which dominates eager (CPU) step time at small widths

@@ -14,6 +14,7 @@ warmup, stable and decay all happen and the last step runs at the floor LR.
 
 import ctypes
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -59,6 +60,23 @@ def schedule(progress_frac, hp):
     warm = min(p / hp.momentum_warmup_frac, 1.0) if hp.momentum_warmup_frac > 0 else 1.0
     momentum = hp.muon_momentum_start + warm * (hp.muon_momentum - hp.muon_momentum_start)
     return min(lr_frac, 1.0), momentum
+
+
+def mtp_weights(progress_frac):
+    """--mtp's weights of the next 1, 2 and 3 tokens at progress (mnGPT's, keyed there to steps / scheduled steps):
+    the third fades 0.25 -> 0 over the first 1/12, the second 0.5 -> 0 over the next 1/12, then the next token
+    alone. Always three: a zero weight keeps the compiled graphs' shapes."""
+    twelfths = 12 * min(max(progress_frac, 0.0), 1.0)
+    return [1.0, 0.5 * min(max(2.0 - twelfths, 0.0), 1.0), 0.25 * max(1.0 - twelfths, 0.0)]
+
+
+def step_loss_fn(run, progress_frac):
+    """The training loss of the step at progress: run.loss_fn, with --mtp at that progress's weights, copied to the
+    device from pinned memory without waiting for it."""
+    if not run.hp.mtp:
+        return run.loss_fn
+    weights = torch.tensor(mtp_weights(progress_frac), pin_memory=run.device.type == "cuda")
+    return functools.partial(run.loss_fn, mtp_weights=weights.to(run.device, non_blocking=True))
 
 
 # ----------------------------------------------------------------------------- main
@@ -333,12 +351,15 @@ def optimizer_step(run, clock, state, guard, amp):
     state.lr_frac, momentum = schedule(done, run.hp)
     run.raw_model.set_progress(done)  # model.py's untie_at
     set_lrs(run.optimizers, run.hp, state.lr_frac, momentum, step_tokens, run.device.type, guard.lr_scale)
+    loss_fn = step_loss_fn(run, done)
     try:
         if state.step == 0 and run.hp.compile:
-            step_loss, state.compile_fallback_ranks, state.compile_fallback = first_compiled_step(run, accum, amp)
+            step_loss, state.compile_fallback_ranks, state.compile_fallback = first_compiled_step(
+                run, accum, amp, loss_fn
+            )
         else:
             check_stop = run.world == 1 or (clock.step_s or 0.0) > STOP_CHECK_S
-            step_loss = accumulate(run, accum, amp, check_stop=check_stop)
+            step_loss = accumulate(run, accum, amp, loss_fn, check_stop=check_stop)
     except DataChanged as e:  # the weights trained so far are saved, with one message
         run.say(f"stopping: {e}")
         step_loss, state.stop_reason = None, "data"
@@ -359,9 +380,9 @@ def optimizer_step(run, clock, state, guard, amp):
 STOP_CHECK_S = 5.0
 
 
-def accumulate(run, accum, amp, check_stop=False):
-    """Forward and backward of one optimizer step's micro-batches; the mean loss, as a tensor (no host sync), or None
-    when check_stop found a stop signal between micro-steps (agreed across ranks)."""
+def accumulate(run, accum, amp, loss_fn, check_stop=False):
+    """Forward and backward of one optimizer step's micro-batches under loss_fn (step_loss_fn); the mean loss, as a
+    tensor (no host sync), or None when check_stop found a stop signal between micro-steps (agreed across ranks)."""
     step_loss = torch.zeros((), device=run.device)
     for micro in range(accum):
         if check_stop and micro and stop_agreed(run):
@@ -370,7 +391,7 @@ def accumulate(run, accum, amp, check_stop=False):
         # gradients are all-reduced once per optimizer step, on the last micro-step
         with run.model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
             with amp:
-                _, loss = run.model(x, y, loss_fn=run.loss_fn)
+                _, loss = run.model(x, y, loss_fn=loss_fn)
             (loss * (weight / accum)).backward()
         step_loss += loss.detach() / accum
     return step_loss
@@ -400,7 +421,7 @@ def stop_agreed(run):
     return flag.item() > 0
 
 
-def first_compiled_step(run, accum, amp):
+def first_compiled_step(run, accum, amp, loss_fn):
     """Step 0, which compiles every graph training uses. Where compiling fails (a Triton or ptxas that does not know
     the GPU; on CPU, no working C++ compiler) the attempt is lost, not the slot: the step runs again eagerly, and so
     does the rest of the run, whose step time the clock measures from step 1 on. Backward graphs are compiled in the
@@ -409,7 +430,7 @@ def first_compiled_step(run, accum, amp):
     one: one line names them. Returns (mean loss, the ranks that run eagerly, the first one's reason)."""
     why = None
     try:
-        step_loss = accumulate(run, accum, amp)
+        step_loss = accumulate(run, accum, amp, loss_fn)
         # after step 0 no recompile may stall the clock: a guard miss raises, and launch.EagerRuns runs it eagerly
         torch.compiler.set_stance("fail_on_recompile")
     except Exception as e:
@@ -418,7 +439,7 @@ def first_compiled_step(run, accum, amp):
         why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
         torch.compiler.set_stance("force_eager")
         run.model.zero_grad(set_to_none=True)
-        step_loss = accumulate(run, accum, amp)
+        step_loss = accumulate(run, accum, amp, loss_fn)
     eager, first_why = failing_ranks(why, run.device, run.world, run.rank)
     if eager:
         where = "" if run.world == 1 else f" on {rank_span(eager)} of {run.world}"

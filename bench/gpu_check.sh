@@ -35,7 +35,7 @@ else
     PATHS="4 256 4096 3072"  # layers, width, the longest eager length, Newton-Schulz columns
     TRAIN_SHAPE="--model l16w1024 --batch_size 8 --seq_len 1024 --batch_tokens 131072"  # more steps in a minute
     ATTENTION="--batch 13 --heads 8 --seq 1024 --head_dim 128"  # the event's micro-batch and heads
-    HEAD_LOSS="--rounds 3 --threads $THREADS"
+    HEAD_LOSS="--parts forms --device cuda --rounds 3"  # the event's chunk, both forms, 1 and 3 targets
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$RESULTS"
 fi
 echo "# gpu_check $(date -u +%FT%TZ) on $DEVICE" >>"$RESULTS"
@@ -150,7 +150,7 @@ print(f"| {plan['tokens_per_step']:,} | {plan['micro_batch']} x {s['grad_accum_s
 EOF
 # the head's loss, both forms (bench/head_loss.py)
 # shellcheck disable=SC2086
-part 60 "head + loss: training-step time and peak memory" python bench/head_loss.py $HEAD_LOSS
+part 60 "head + loss: the in-place and functional chunk loss at the event's chunk" python bench/head_loss.py $HEAD_LOSS
 part 150 "per-block steps by micro-batch, train.py's fused head + loss: $SHAPES" \
     python bench/compile_time.py --device "$DEVICE" --modes per_block --shapes "$SHAPES" --batch "$BATCH" \
     --seq "$SEQ" --head fused --optimizer --steps 5 --threads "$THREADS" --timeout 70

@@ -1,6 +1,9 @@
-"""Head + loss: full float32 logits (forward(idx, targets)) against the chunked head_loss (loss_fn=head_loss).
+"""Head + loss: full float32 logits (forward(idx, targets)) against the chunked head_loss (loss_fn=head_loss), and
+the chunk loss math's two forms (headloss.chunk_loss in place, headloss.functional_chunk_loss for the compiler).
 
-    python bench/head_loss.py [--rounds 7] [--threads 1]
+    python bench/head_loss.py [--rounds 7] [--threads 1]       # every part below, on CPU (the forms: on --device)
+    python bench/head_loss.py --parts forms [--device cuda]    # 3 and 4 only: what bench/gpu_check.sh runs
+    python bench/head_loss.py --parts codegen [--code_dir DIR] # 5 only (CPU, no GPU needed)
 
 1. ms per training step at the bench shape (4 layers, width 128, 4 heads, seq 256, 8 sequences, vocab 32,000):
    forward + backward of the whole model and the optimizer step, as train.py runs them (Muon + AdamW for the
@@ -14,6 +17,16 @@
 2. Peak memory of one forward + backward at 8 x 1024 tokens, vocab 32,000: the CPU allocator's live bytes, read
    from the profiler's memory events (profile_memory=True), for the whole step and for head + loss alone, i.e. the
    highest live bytes after the final norm returns, minus those live at that moment.
+3. ms per chunk of each form of the loss math, eager and compiled, and today's compiled CUDA path before this form
+   (the in-place form compiled, the float32 upcast and the downcast of g around it, eager), capped and uncapped,
+   with one target a row and with --mtp's three (what multi-token prediction costs the loss math),
+   at the chunk the device's training takes at a 32,000 vocabulary (CUDA: the event's 3,328 rows in bf16, capped
+   only; CPU: 512 rows, float32 as CPU training runs and bf16): medians of --rounds, all alternating round by round.
+4. Their agreement with the in-place form eagerly: the largest row-loss difference and the largest gradient
+   difference over the largest gradient entry.
+5. What inductor makes of each compiled form (CPU codegen, 256 rows): the (rows, V) buffers it allocates and the
+   loops over the chunk, as compiled for the CPU and with the CPU-only realize heuristics off (inductor realises a
+   reused sigmoid or exp on CPU only: what is left is what a CUDA device's lowering keeps); --code_dir writes the code.
 """
 
 import argparse
@@ -21,6 +34,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import statistics
 import sys
 import tempfile
@@ -32,7 +46,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from ranks import keep_freed_memory  # noqa: E402
 from model import get_model  # noqa: E402
-from headloss import chunk_loss, head_loss  # noqa: E402
+from headloss import LOSS_CHUNK_BYTES, chunk_loss, chunk_rows, functional_chunk_loss, head_loss  # noqa: E402
 from muon import build_optimizers  # noqa: E402
 
 SHAPE = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 32000}
@@ -154,14 +168,161 @@ def peak_bytes(model, x, y, loss_fn):
     return max(total for _, total in memory), max(after_head) - at_head
 
 
+def casts_outside(compiled):
+    """Today's compiled CUDA path before the functional form: the matmul's output upcast to float32 and g cast back
+    by eager ops around the compiled in-place form."""
+
+    def call(y, targets, mix, cap, need_grad):
+        row_loss, total, g = compiled(y.float(), targets, mix, cap, need_grad)
+        return row_loss, total, g.to(y.dtype)
+
+    return call
+
+
+def chunk_forms():
+    def compiled(fn):
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+
+    return {
+        "in-place eager": chunk_loss,
+        "functional eager": functional_chunk_loss,
+        "in-place compiled, casts outside": casts_outside(compiled(chunk_loss)),
+        "in-place compiled": compiled(chunk_loss),
+        "functional compiled": compiled(functional_chunk_loss),
+    }
+
+
+MTP_MIX = torch.tensor([1.0, 0.5, 0.25]) / 1.75  # --mtp's first weights, as HeadLoss hands them to a chunk
+
+
+def chunk_inputs(rows, vocab, dtype, device, k=1):
+    """A chunk as HeadLoss hands it over: y with logits' spread (capped: past the cap), targets (rows, k) and their
+    mix (k = 3: multi-token prediction's first weights)."""
+    gen = torch.Generator().manual_seed(0)
+    y = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
+    mix = torch.ones(rows, 1) if k == 1 else MTP_MIX.expand(rows, k)
+    return y, torch.randint(0, vocab, (rows, k), generator=gen).to(device), mix.contiguous().to(device)
+
+
+def time_forms(forms, inputs, cap, rounds):
+    """{(form, k): median ms of one call} and {(form, k): (row-loss difference, gradient difference / largest
+    gradient)} against the in-place form eagerly, for inputs {k: (y, targets, mix)}; every (form, k) once a round, so
+    neighbours in time compare. Each call gets a fresh copy of y (the in-place form writes into it)."""
+    sync = torch.cuda.synchronize if inputs[1][0].is_cuda else lambda: None
+    times, agreement = {}, {}
+    for k, (y, targets, mix) in inputs.items():  # warm-up and compilation
+        reference = chunk_loss(y.clone(), targets, mix, cap, True)
+        for name, fn in forms.items():
+            row_loss, _, g = fn(y.clone(), targets, mix, cap, True)
+            agreement[name, k] = (
+                (row_loss - reference[0]).abs().max().item(),
+                ((g.float() - reference[2].float()).abs().max() / reference[2].float().abs().max()).item(),
+            )
+            times[name, k] = []
+    for _ in range(rounds):
+        for name, k in times:
+            y, targets, mix = inputs[k]
+            y_copy = y.clone()
+            sync()
+            start = time.perf_counter()
+            forms[name](y_copy, targets, mix, cap, True)
+            sync()
+            times[name, k].append(1000 * (time.perf_counter() - start))
+    return {key: statistics.median(t) for key, t in times.items()}, agreement
+
+
+def print_forms(device, rounds):
+    vocab = SHAPE["vocab_size"]
+    rows = 3328 if device.type == "cuda" else chunk_rows(8 * 1024, vocab, LOSS_CHUNK_BYTES["cpu"])
+    # CUDA: the event's case alone (bf16, capped), so bench/gpu_check.sh's call stays short: 6 compiles
+    dtypes = (torch.bfloat16,) if device.type == "cuda" else (torch.float32, torch.bfloat16)
+    caps = (15.0,) if device.type == "cuda" else (15.0, 0.0)
+    forms = chunk_forms()
+    print(f"\nms per chunk of {rows} x {vocab} on {device}, median of {rounds} rounds; agreement with in-place eager")
+    print(f"{'dtype':<9} {'cap':>4} {'targets':>7} {'form':<33} {'ms':>8} {'loss diff':>10} {'g diff':>8}")
+    for dtype in dtypes:
+        for cap in caps:
+            inputs = {k: chunk_inputs(rows, vocab, dtype, device, k) for k in (1, 3)}  # --mtp: three a row
+            ms, agreement = time_forms(forms, inputs, cap, rounds)
+            for (name, k), (loss_diff, g_diff) in agreement.items():
+                row = f"{str(dtype)[6:]:<9} {cap:4.0f} {k:7d} {name:<33} {ms[name, k]:8.2f}"
+                print(f"{row} {loss_diff:10.1e} {g_diff:8.1e}")
+            ratio = ms["functional compiled", 1] / ms["in-place compiled, casts outside", 1]
+            print(f"{'':<22} functional compiled / in-place compiled, casts outside: {ratio:.2f}x")
+            ratios = ", ".join(f"{name} {ms[name, 3] / ms[name, 1]:.2f}x" for name in forms)
+            print(f"{'':<22} 3 targets / 1: {ratios}")
+
+
+def compiled_code(fn, y, targets, mix, cap, cpu_heuristics):
+    """The output code inductor writes for fn at these inputs; cpu_heuristics False: with ir.is_cpu answering False
+    in its realize heuristics (the only places it asks), as a CUDA device's lowering decides."""
+    from unittest import mock
+
+    from torch._inductor import config, ir
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    with config.patch(fx_graph_cache=False), mock.patch.object(ir, "is_cpu", lambda node: cpu_heuristics):
+        return run_and_get_code(compiled, y, targets, mix, cap, True)[1][-1]
+
+
+def print_codegen(code_dir):
+    rows, vocab = 256, SHAPE["vocab_size"]
+    forms = {  # (form, the dtype it is handed, targets a row) as the CUDA path calls it, before and after
+        "in-place (before: float32 in)": (chunk_loss, torch.float32, 1),
+        "functional (after: bf16 in)": (functional_chunk_loss, torch.bfloat16, 1),
+        "functional, --mtp's 3 targets": (functional_chunk_loss, torch.bfloat16, 3),
+    }
+    print(f"\ninductor's code for a {rows} x {vocab} chunk: (rows, V) buffers allocated and loops over the chunk")
+    print(f"{'form':<30} {'cap':>4} {'heuristics':<11} {'(rows, V) buffers':<28} {'loops':>5}")
+    full = re.compile(rf"empty_strided_cpu\(\({rows}, {vocab}\), \({vocab}, 1\), torch\.(\w+)\)")
+    loop = re.compile(rf"for\(.*<static_cast<int64_t>\(({vocab}|{rows * vocab})L\)")
+    for name, (fn, dtype, k) in forms.items():
+        for cap in (15.0, 0.0):
+            inputs = chunk_inputs(rows, vocab, dtype, torch.device("cpu"), k)
+            for heuristics in ("cpu", "cuda's"):
+                code = compiled_code(fn, *inputs, cap, heuristics == "cpu")
+                buffers = ", ".join(full.findall(code)) or "none"
+                print(f"{name:<30} {cap:4.0f} {heuristics:<11} {buffers:<28} {len(loop.findall(code)):5d}")
+                if code_dir:
+                    slug = f"{name.split()[0]}{k}_cap{cap:.0f}_{heuristics[:3]}".replace("-", "_").replace(",", "")
+                    pathlib.Path(code_dir, f"{slug}.py").write_text(code)
+
+
+PARTS = ("steps", "memory", "forms", "codegen")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=7, help="timed steps of each model and path")
+    parser.add_argument("--rounds", type=int, default=7, help="timed steps of each model and path, calls of each form")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared box)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)} to run, comma-separated")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="the forms' device")
+    parser.add_argument("--code_dir", help="codegen: write each compiled form's output code here")
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2 (the step table reports quartiles)")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
+    if "steps" in parts:
+        print_steps(args)
+    if "memory" in parts:
+        print_memory()
+    if "forms" in parts:
+        print_forms(device, args.rounds)
+    if "codegen" in parts:
+        if args.code_dir:
+            os.makedirs(args.code_dir, exist_ok=True)
+        print_codegen(args.code_dir)
 
+
+def print_steps(args):
     print(f"ms per training step, seq 256 x 8 sequences, {args.threads} thread(s), {args.rounds} rounds")
     phases = step_phases(args.rounds)
     runs = {key: [r["step"] for r in rounds] for key, rounds in phases.items()}
@@ -185,6 +346,8 @@ def main():
         d, s = (statistics.median(r[phase] for r in phases[m, "chunked"]) for m in MODELS)
         print(f"{phase:<13} {d:8.1f} {s:8.1f} {d - s:+7.1f}")
 
+
+def print_memory():
     print("\npeak live MB of one forward + backward, default model, seq 1024 x 8 sequences")
     torch.manual_seed(0)
     model = get_model({**SHAPE, "seq_len": 1024})
