@@ -38,7 +38,7 @@ from headloss import head_loss
 from launch import agreed_budget, build_plan, launch, resolve
 from ranks import fail, lost_contact
 from streams import guard_log_streams
-from report import Logger, human_summary, summary_row
+from report import Logger, close_metrics, human_summary, process_age_s, summary_row
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -96,6 +96,7 @@ def main(argv=None):
         if run.world == 1 or not lost_contact(e):
             raise
         run.checkpointer.wait()
+        close_metrics(run)
         fail(
             f"error: rank {run.rank} lost contact with the other ranks ({str(e).splitlines()[0][:200]}); "
             f"{run.hp.checkpoint_path} holds the last save",
@@ -209,6 +210,7 @@ class LoopState:
     compile_fallback: str | None = None
     train_s: float = 0.0
     clock_start_unix: float = 0.0
+    startup_s: float | None = None  # from this process's start to the clock's
 
 
 def make_clock(run, budget_s):
@@ -242,7 +244,7 @@ def train(run):
     gc.collect()
     gc.disable()  # a collection pause on one rank stalls all of them
     t0 = time.perf_counter()  # the clock starts right before the first forward pass, on every rank together
-    state.clock_start_unix = time.time()
+    state.clock_start_unix, state.startup_s = time.time(), process_age_s()
     while True:
         if clock.due(state.step):
             state.stop_reason = host_sync(run, clock, log, state, guard, loss_sum, time.perf_counter() - t0, amp)
