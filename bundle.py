@@ -27,6 +27,7 @@ SECTIONS = {
     "checkpoint": "checkpoint files: complete and finite on disk, saved without holding up training",
     "clock": "the loop's clock: when to sync, each step's progress and accumulation, when to stop",
     "rollback": "a loss that blows up: snapshots, the divergence test, the restore with lower LRs",
+    "tailema": "the tail EMA: the weights' average over the decay's last part, blended into the final checkpoint",
     "headloss": "the training loss: the head's matmul and cross-entropy a chunk of rows at a time",
     "plan": "the run plan before the clock: shape, tokens per step, micro-batch, forecast steps",
     "config": "the hyperparameters: one dataclass, its flags (the organizers' names verbatim), their checks",

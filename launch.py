@@ -95,7 +95,9 @@ def launch(hp, model_switches, stop_signal, say):
     error = None
     if rank == 0:  # written while the clock runs (checked_inputs made sure it fits); every later save waits for it
         try:
-            checkpointer.save(raw_model, {"config": config, "step": 0, "tokens": 0}, background=True)
+            checkpointer.save(
+                raw_model, {"config": config, "step": 0, "tokens": 0, "weights": "plain"}, background=True
+            )
         except Exception as e:
             error = sentence(e)
     leave_together(error, device, world, rank)
@@ -272,6 +274,7 @@ def build_plan(hp, model_switches, device, world, budget_s, say):
         memory_bytes=memory,
         bf16=hp.autocast == "bf16",
         muon=hp.optimizer == "muon",
+        tail_ema=hp.tail_ema > 0,
     )
     if table:
         say_ladder(plan, table, hp, rate, world, say)

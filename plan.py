@@ -140,6 +140,7 @@ def _shape_costs(shape_items, vocab_size, seq_len):
         "muon_params": sum(p.numel() for p in muon),
         "largest_param": max(p.numel() for p in model.parameters()),
         "head_shape": (model.padded_vocab, model.config.n_embd),
+        "token_embedding_params": model.wte.weight.numel(),
     }
 
 
@@ -148,13 +149,14 @@ def shape_costs(shape, vocab_size, seq_len):
     return _shape_costs(tuple(sorted(shape.items())), vocab_size, seq_len)
 
 
-def memory_needed(costs, shape, micro_batch, seq_len, bf16, *, kind, world_size):
-    """Bytes one device needs: weights and optimizer state, activations kept for backward (about 34 values x width x
-    layers per token, and the embedding lookups) and what a step holds for a moment (transient_bytes). The rollback
-    snapshots are apart (snapshot_bytes): they go to pinned host memory when the device has no room."""
+def memory_needed(costs, shape, micro_batch, seq_len, bf16, *, kind, world_size, tail_ema=False):
+    """Bytes one device needs: weights and optimizer state (with the tail EMA, its fp32 copy of every weight but the
+    token embedding), activations kept for backward (about 34 values x width x layers per token, and the embedding
+    lookups) and what a step holds for a moment (transient_bytes). The rollback snapshots are apart
+    (snapshot_bytes): they go to pinned host memory when the device has no room."""
     act_bytes = 2 if bf16 else 4
     per_token = (34 * shape["n_layer"] + 2 * costs["n_tables"]) * shape["n_embd"] * act_bytes
-    state = costs["params"] * BYTES_PER_PARAM
+    state = costs["params"] * BYTES_PER_PARAM + (costs["params"] - costs["token_embedding_params"]) * 4 * tail_ema
     return state + micro_batch * seq_len * per_token + transient_bytes(costs, micro_batch * seq_len, kind, world_size)
 
 
@@ -180,15 +182,14 @@ def snapshot_bytes(costs, muon):
 
 
 def _micro_and_accum(
-    costs, shape, seqs, *, kind, world_size, seq_len, batch_size, micro_batch, memory_bytes, bf16, split=1
+    costs, shape, seqs, *, kind, world_size, seq_len, batch_size, micro_batch, memory_bytes, bf16, tail_ema, split=1
 ):
     """(sequences per device per forward, accumulation) for seqs sequences per device per step, in at least `split`
     micro-steps where --batch_size allows."""
     if micro_batch is None:
         cap = max(1, MAX_MICRO_TOKENS[kind] // seq_len)
-        while (
-            cap > 1 and memory_needed(costs, shape, cap, seq_len, bf16, kind=kind, world_size=world_size) > memory_bytes
-        ):
+        held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)
+        while cap > 1 and memory_needed(costs, shape, cap, seq_len, bf16, **held) > memory_bytes:
             cap //= 2
         accum = max(math.ceil(seqs / max(cap, batch_size)), min(split, seqs // batch_size))
         return max(batch_size, math.ceil(seqs / accum)), accum
@@ -264,12 +265,14 @@ def _shape_plan(
     memory_bytes,
     bf16,
     muon=True,
+    tail_ema=False,
     **micro,
 ):
     costs = shape_costs(shape, vocab_size, seq_len)
     fpt = costs["flops_per_token"]
     tokens_per_s = matmul_rate * efficiency * world_size / fpt
-    sizing = dict(kind=kind, world_size=world_size, seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **micro)
+    held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)  # what memory_needed counts beyond the shape
+    sizing = dict(seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **held, **micro)
     if STEP_HEADROOM * max_steps < RAMP_MIN_STEPS:  # too few steps to ramp over: the flat plan (launch.py says so)
         ramp_frac = 0.0
     micro_batch, start_accum, accum, asked = _step_batches(
@@ -282,7 +285,7 @@ def _shape_plan(
     steps = min(max_steps, int(steps_fit))
     train_s = seconds_of_steps(steps, step_s / accum, start_accum, accum, ramp * budget_s, budget_s)
     tokens = int(train_s * tokens_per_s) if ramp else steps * tokens_per_step
-    memory = memory_needed(costs, shape, micro_batch, seq_len, bf16, kind=kind, world_size=world_size)
+    memory = memory_needed(costs, shape, micro_batch, seq_len, bf16, **held)
     snapshots = 2 * snapshot_bytes(costs, muon)  # trusted and pending
     # rollback.Snapshot's own test: on a CUDA device with room for both twice over, else in pinned host memory
     snapshots_on_device = kind != "cuda" or memory_bytes - memory > 2 * snapshots

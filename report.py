@@ -46,6 +46,7 @@ def summary_row(run, clock, state, val_loss, val_batches):
         "eager_runs": eager_runs.item(),  # calls of compiled regions run eagerly after a guard miss (slower steps)
         "final_lr_frac": state.lr_frac,
         "stop_reason": state.stop_reason,
+        "weights": state.weights,  # what the final checkpoint holds: plain, or the tail EMA's blend
         "val_loss": val_loss,
         "val_batches": val_batches,
         "params": run.raw_model.num_params(),
@@ -210,8 +211,8 @@ class Logger:
             self.run.say(note)
         self.clock.notes.clear()
 
-    def meta(self, step, tokens):
-        return {"config": self.run.config, "step": step, "tokens": tokens}
+    def meta(self, step, tokens, weights="plain"):
+        return {"config": self.run.config, "step": step, "tokens": tokens, "weights": weights}
 
     def failed_save(self, wait=True):
         """A background save that failed is said once; training goes on and the previous checkpoint stays."""
