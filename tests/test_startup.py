@@ -37,8 +37,8 @@ def patched_train(tmp_path, patch, args):
     """train.main(args) in a child process after `patch` (Python run first, with checkpoint, launch and train
     imported); returns (process, unix time right before it started)."""
     code = (
-        f"import sys, time; sys.path.insert(0, {str(TRAIN.parent)!r}); import checkpoint, launch, train; "
-        f"{patch}; train.main({args!r})"
+        f"import sys, time; sys.path.insert(0, {str(TRAIN.parent)!r}); import checkpoint, launch, train\n"
+        f"{patch}\ntrain.main({args!r})"
     )
     started = time.time()
     proc = subprocess.run(
@@ -85,3 +85,24 @@ def test_a_disk_without_room_for_one_checkpoint_is_refused_before_anything_is_wr
     assert f"a checkpoint of this model is {4 * params / 2**20:,.1f} MiB, and" in proc.stderr
     assert "has 1.0 MiB free" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no checkpoint, no metrics file
+
+
+def test_a_failed_step0_save_is_said_once_and_training_goes_on(tmp_path):
+    """The step-0 save fails in the background (the disk filled after the check, NFS went away): one warning, as for
+    any background save, and the run trains and saves at the end."""
+    failing = (
+        "real = checkpoint.save_checkpoint\n"
+        "def save(state, path):\n"
+        "    if state['step'] == 0: raise checkpoint.CheckpointError('could not save it (No space left on device)')\n"
+        "    real(state, path)\n"
+        "checkpoint.save_checkpoint = save"
+    )
+    proc, _ = patched_train(tmp_path, failing, [*TINY, "--max_steps", "4", "--save_every_min", "0"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "background checkpoint save failed" in line]
+    assert said == [
+        "warning: a background checkpoint save failed (could not save it (No space left on device)); training goes on"
+    ]
+    _, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["steps"] == 4 and summary["step0_saved_unix"] is None
+    assert load_checkpoint(tmp_path / "checkpoint.pt")[1]["step"] == 4
