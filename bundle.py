@@ -30,6 +30,8 @@ SECTIONS = {
     "checkpoint": "checkpoint files: complete and finite on disk, saved without holding up training",
     "clock": "the loop's clock: when to sync, each step's progress and accumulation, when to stop",
     "rollback": "a loss that blows up: snapshots, the divergence test, the restore with lower LRs",
+    "tailema": "the tail EMA: the weights' average over the decay's last part, blended into the final checkpoint",
+    "headloss": "the training loss: the head's matmul and cross-entropy a chunk of rows at a time",
     "plan": "the run plan before the clock: shape, tokens per step, micro-batch, forecast steps",
     "config": "the hyperparameters: one dataclass, its flags (the organizers' names verbatim), their checks",
     "windows": "the token-file format and the training windows read from it",
@@ -38,13 +40,12 @@ SECTIONS = {
     "prefetch": "batches kept ready by a background thread, pinned and copied to the device",
     "data": "the data front: token files checked and loaded, BatchLoader, validation batches",
     "paths": "the files a run reads and writes, checked before anything is written",
-    "headloss": "the training loss: the head's matmul and cross-entropy a chunk of rows at a time",
     "muon": "the optimizers: Muon for hidden matrices, AdamW for the rest, sharded across ranks",
     "kernels": "the attention backend and, on a B300, the ptxas Triton uses: chosen and checked before the clock",
     "ranks": "the torch floor, process group and devices, ranks leaving together, warm collectives",
-    "launch": "everything before the clock, in order; returns the Run the loop reads",
     "streams": "stdout and stderr that may go away (a dead tee, a hang-up) without ending the run",
     "report": "what a run reports: metrics rows, the progress bar, the summary row, the human summary",
+    "launch": "everything before the clock, in order; returns the Run the loop reads",
 }
 PASTED = list(SECTIONS)
 SHIPPED = "model"  # next to train.py, so its imports stay

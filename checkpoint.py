@@ -11,6 +11,7 @@ import secrets
 import shutil
 import socket
 import threading
+import time
 
 import torch
 
@@ -56,6 +57,21 @@ def check_writable(path, flag):
         os.remove(probe)
     except OSError as e:
         raise ValueError(f"--{flag} {path} is not writable: cannot write in {folder} ({e.strerror})") from None
+
+
+def check_room(path, nbytes, flag):
+    """Fail now if the file system holding path has less than nbytes free: a background save that cannot fit would
+    only say so after training started. Where the free space cannot be read, the save will tell."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if free < nbytes:
+        raise ValueError(
+            f"--{flag} {path}: a checkpoint of this model is {nbytes / 2**20:,.1f} MiB, and {folder} has "
+            f"{free / 2**20:,.1f} MiB free"
+        )
 
 
 def cpu_state_dict(model):
@@ -116,10 +132,12 @@ def _save_failure(state, path, error):
 class Checkpointer:
     """Rank 0 snapshots to CPU and writes in a thread, so periodic saves cost one copy, not a disk write.
     A background failure never raises in the thread: poll() or wait() returns its message, once per distinct
-    message (a full disk fails every save the same way); .failures counts them all."""
+    message (a full disk fails every save the same way); .failures counts them all. .written: the unix time each
+    step's file was in place. The thread is not a daemon: however the process ends (an error, a lost peer, sys.exit),
+    the interpreter waits for the save it started, so the file it promised is on disk."""
 
     def __init__(self, path):
-        self.path, self.failures = path, 0
+        self.path, self.failures, self.written = path, 0, {}
         self._thread, self._error, self._reported = None, None, None
 
     def save(self, model, meta, background):
@@ -127,14 +145,16 @@ class Checkpointer:
         self._join()
         state = {"model": cpu_state_dict(model), **meta}
         if background:
-            self._thread = threading.Thread(target=self._write, args=(state,), daemon=True)
+            self._thread = threading.Thread(target=self._write, args=(state,))
             self._thread.start()
         else:
             save_checkpoint(state, self.path)
+            self.written[state.get("step")] = time.time()
 
     def _write(self, state):
         try:
             save_checkpoint(state, self.path)
+            self.written[state.get("step")] = time.time()
         except CheckpointError as e:
             self._error = str(e)
         except Exception as e:  # anything else: still one line, not a thread traceback

@@ -32,9 +32,10 @@ from plan import (
     device_memory,
     make_plan,
 )
-from checkpoint import Checkpointer
+from checkpoint import Checkpointer, check_room
 from kernels import agreed_attention, choose_attention, point_triton_at_ptxas, triton_version
 from paths import check_outputs, lock_outputs, training_twin
+from report import MetricsFile
 from ranks import (
     bf16_grad_hook,
     fail,
@@ -70,9 +71,8 @@ class Run:
     val: list
     config: dict  # what checkpoints store: the hyperparameters, the plan and model.py's config
     checkpointer: Checkpointer
-    metrics: object  # rank 0's locked metrics file, else None
+    metrics: MetricsFile | None  # rank 0's locked metrics file and its writer thread
     stop_signal: list
-    step0_saved_unix: float
     say: object
     data_gone: str | None = None  # this rank's DataChanged, carried to every rank by the next host sync
 
@@ -102,11 +102,12 @@ def launch(hp, model_switches, stop_signal, say):
     raw_model, model, loss_fn, optimizers = build_model(hp, plan, model_switches, device, world, eager_runs)
     config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(raw_model.config)}
     checkpointer = Checkpointer(hp.checkpoint_path)
-    error, saved_unix = None, 0.0
-    if rank == 0:  # a valid checkpoint is on disk before any rank's clock starts
+    error = None
+    if rank == 0:  # written while the clock runs (checked_inputs made sure it fits); every later save waits for it
         try:
-            checkpointer.save(raw_model, {"config": config, "step": 0, "tokens": 0}, background=False)
-            saved_unix = time.time()
+            checkpointer.save(
+                raw_model, {"config": config, "step": 0, "tokens": 0, "weights": "plain"}, background=True
+            )
         except Exception as e:
             error = sentence(e)
     leave_together(error, device, world, rank)
@@ -118,6 +119,7 @@ def launch(hp, model_switches, stop_signal, say):
     )
     if metrics is not None:
         metrics.truncate(0)
+        metrics = MetricsFile(metrics)
     if world > 1:
         warm_collectives(device)  # ends in a barrier: every rank starts its clock right after it
     return Run(
@@ -140,7 +142,6 @@ def launch(hp, model_switches, stop_signal, say):
         checkpointer=checkpointer,
         metrics=metrics,
         stop_signal=stop_signal,
-        step0_saved_unix=saved_unix,
         say=say,
     )
 
@@ -235,6 +236,8 @@ def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s
             Deal(rank, world, seed=hp.seed),
             device=device,
         )
+        if rank == 0:  # the step-0 save is written in the background: a disk it cannot fit on is said now
+            check_room(hp.checkpoint_path, 4 * plan.n_params, "checkpoint_path")
         metrics = lock_outputs(hp, say) if rank == 0 else None
         error = None
     except Exception as e:
@@ -286,6 +289,8 @@ def build_plan(hp, model_switches, device, world, budget_s, say):
         efficiency=hp.auto_efficiency,
         memory_bytes=memory,
         bf16=hp.autocast == "bf16",
+        muon=hp.optimizer == "muon",
+        tail_ema=hp.tail_ema > 0,
     )
     if table:
         say_ladder(plan, table, hp, rate, world, say)
@@ -360,7 +365,8 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
     shape = {k: getattr(plan, k) for k in ("n_layer", "n_head", "n_embd")}
     # from a whole config: today's defaults for every switch not given, however many are (model.model_config)
     config = {**dataclasses.asdict(GPTConfig()), "vocab_size": hp.vocab_size, "seq_len": hp.seq_len}
-    raw_model = get_model({**config, **shape, **model_switches}).to(device)
+    with torch.device(device):  # built where it trains: no CPU init of 529M parameters and copy (on CPU: as before)
+        raw_model = get_model({**config, **shape, **model_switches})
     tied_head = raw_model.wte.weight if raw_model.config.tie_embeddings else None
     optimizers = build_optimizers(
         raw_model,

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from clock import STEP_HEADROOM, steps_between
+from headloss import LOSS_CHUNK_BYTES, chunk_rows
 from model import GPTConfig, get_model
 
 LADDER = [  # name, n_layer, n_head, n_embd: depth and width grow together, head size 64..128
@@ -52,6 +53,9 @@ PEAK_BF16_TFLOPS = {"B300": 2250, "B200": 2250, "H200": 989, "H100": 989, "A100"
 # in the clock's simulation (tests/test_faults3.py) runs ended with 4-95% of the budget used; the flat plan then
 RAMP_MIN_STEPS = 40
 BYTES_PER_PARAM = 16  # fp32 weight + grad + two AdamW moments (Muon keeps one): the upper bound
+# a rollback snapshot (rollback.Snapshot) per parameter: its fp32 weight and the optimizer state, exactly: two AdamW
+# moments, or Muon's one momentum for the hidden matrices
+SNAPSHOT_BYTES = {"adamw": 12, "muon": 8}
 # when the step cap forces the batch, split it into at least this many accumulation micro-steps: the clock can then
 # give steps back in 1/6 increments if the device is slower than forecast (only the accumulation moves after step 0:
 # a new micro-batch is a new compiled graph)
@@ -82,12 +86,15 @@ class RunPlan:
     tokens: int  # forecast training tokens
     train_s: float  # forecast seconds of training
     tokens_per_param: float  # forecast tokens per block parameter
-    memory_gib: float  # forecast per device
+    memory_gib: float  # forecast per device, without the rollback snapshots
     fits: bool  # within the device memory
+    snapshot_gib: float  # the two rollback snapshots (trusted and pending)
+    snapshots_on_device: bool  # else in pinned host memory
     matmul_tflops: float  # per device: measured, or --peak_tflops for a dry run
     efficiency: float
 
     def line(self):
+        snapshots = "on it" if self.snapshots_on_device else "in pinned host memory"
         ramp = ""
         if self.start_accum < self.grad_accum_steps:
             unit = self.tokens_per_step // self.grad_accum_steps
@@ -100,7 +107,8 @@ class RunPlan:
             f"{self.model} ({self.n_params / 1e6:.1f}M params) | {self.tokens_per_step:,} tokens/step = "
             f"{self.world_size} x {self.micro_batch} x {self.seq_len} x {self.grad_accum_steps} accum | forecast "
             f"{self.step_s * 1e3:.4g} ms/step x {self.steps:,} steps = {self.tokens / 1e9:.4g}B tokens in "
-            f"{self.train_s:.0f} s, {self.tokens_per_param:.3g} tokens/param, {self.memory_gib:.3g} GiB/device{ramp}"
+            f"{self.train_s:.0f} s, {self.tokens_per_param:.3g} tokens/param, {self.memory_gib:.3g} GiB/device + "
+            f"{self.snapshot_gib:.3g} GiB of rollback snapshots {snapshots}{ramp}"
         )
 
 
@@ -118,11 +126,24 @@ def _shape_costs(shape_items, vocab_size, seq_len):
         model = get_model(
             {**dataclasses.asdict(GPTConfig()), "vocab_size": vocab_size, "seq_len": seq_len, **dict(shape_items)}
         )
+    tables = [p for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()]
+    # muon.build_optimizers's rule: every matrix but the tables, the head and the ones the model names goes to Muon
+    named = model.optimizer_groups()
+    muon = [
+        p
+        for n, p in model.named_parameters()
+        if p.ndim >= 2 and n not in named and not n.startswith("lm_head.") and all(p is not t for t in tables)
+    ]
     return {
         "params": model.num_params(),
         "block_params": sum(p.numel() for p in model.blocks.parameters()),
         "flops_per_token": model.flops_per_token(),
         "n_tables": 1 + len(model.value_embeds) + (model.bigram is not None),
+        "table_params": sum(p.numel() for p in tables),
+        "muon_params": sum(p.numel() for p in muon),
+        "largest_param": max(p.numel() for p in model.parameters()),
+        "head_shape": (model.padded_vocab, model.config.n_embd),
+        "token_embedding_params": model.wte.weight.numel(),
     }
 
 
@@ -131,20 +152,47 @@ def shape_costs(shape, vocab_size, seq_len):
     return _shape_costs(tuple(sorted(shape.items())), vocab_size, seq_len)
 
 
-def memory_needed(costs, shape, micro_batch, seq_len, bf16):
-    """Bytes one device needs: weights and optimizer state, plus activations kept for backward (about 34 values
-    x width x layers per token, and the embedding lookups); the head's logits are chunked, so they are small."""
+def memory_needed(costs, shape, micro_batch, seq_len, bf16, *, kind, world_size, tail_ema=False):
+    """Bytes one device needs: weights and optimizer state (with the tail EMA, its fp32 copy of every weight but the
+    token embedding), activations kept for backward (about 34 values x width x layers per token, and the embedding
+    lookups) and what a step holds for a moment (transient_bytes). The rollback snapshots are apart
+    (snapshot_bytes): they go to pinned host memory when the device has no room."""
     act_bytes = 2 if bf16 else 4
     per_token = (34 * shape["n_layer"] + 2 * costs["n_tables"]) * shape["n_embd"] * act_bytes
-    return costs["params"] * BYTES_PER_PARAM + micro_batch * seq_len * per_token
+    state = costs["params"] * BYTES_PER_PARAM + (costs["params"] - costs["token_embedding_params"]) * 4 * tail_ema
+    return state + micro_batch * seq_len * per_token + transient_bytes(costs, micro_batch * seq_len, kind, world_size)
 
 
-def _micro_and_accum(costs, shape, seqs, *, kind, seq_len, batch_size, micro_batch, memory_bytes, bf16, split=1):
+def transient_bytes(costs, micro_tokens, kind, world_size):
+    """The largest buffers a step makes and frees, all counted at once (an upper bound): the head's one chunk of
+    logits (the matmul's output, its float32 copy and the loss math's two float32 buffers; float32 gradients of the
+    head and the chunk's input), each micro-step's dense float32 gradients of the embedding tables before they are
+    added to .grad, and with several ranks the bf16 gradient hook's float32 quotient and bf16 copy of the largest
+    bucket (a parameter larger than DDP's 25 MiB buckets is a bucket of its own) and Muon's bf16 all_gather."""
+    vocab, width = costs["head_shape"]
+    rows = chunk_rows(micro_tokens, vocab, LOSS_CHUNK_BYTES.get(kind, LOSS_CHUNK_BYTES["cpu"]))
+    head = 4 * rows * vocab * 4 + (vocab + micro_tokens) * width * 4
+    tables = costs["table_params"] * 4
+    gather = costs["muon_params"] * (2 if kind == "cuda" else 4)  # Newton-Schulz's dtype
+    exchange = 6 * max(costs["largest_param"], (25 << 20) // 4) + gather if world_size > 1 else 0
+    return head + tables + exchange
+
+
+def snapshot_bytes(costs, muon):
+    """One rollback snapshot (rollback.Snapshot): the float32 weights and the optimizer state, two AdamW moments a
+    parameter, one momentum for Muon's matrices."""
+    return costs["params"] * (4 + 8) - (costs["muon_params"] * 4 if muon else 0)
+
+
+def _micro_and_accum(
+    costs, shape, seqs, *, kind, world_size, seq_len, batch_size, micro_batch, memory_bytes, bf16, tail_ema, split=1
+):
     """(sequences per device per forward, accumulation) for seqs sequences per device per step, in at least `split`
     micro-steps where --batch_size allows."""
     if micro_batch is None:
         cap = max(1, MAX_MICRO_TOKENS[kind] // seq_len)
-        while cap > 1 and memory_needed(costs, shape, cap, seq_len, bf16) > memory_bytes:
+        held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)
+        while cap > 1 and memory_needed(costs, shape, cap, seq_len, bf16, **held) > memory_bytes:
             cap //= 2
         accum = max(math.ceil(seqs / max(cap, batch_size)), min(split, seqs // batch_size))
         return max(batch_size, math.ceil(seqs / accum)), accum
@@ -219,12 +267,15 @@ def _shape_plan(
     efficiency,
     memory_bytes,
     bf16,
+    muon=True,
+    tail_ema=False,
     **micro,
 ):
     costs = shape_costs(shape, vocab_size, seq_len)
     fpt = costs["flops_per_token"]
     tokens_per_s = matmul_rate * efficiency * world_size / fpt
-    sizing = dict(kind=kind, seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **micro)
+    held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)  # what memory_needed counts beyond the shape
+    sizing = dict(seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **held, **micro)
     if STEP_HEADROOM * max_steps < RAMP_MIN_STEPS:  # too few steps to ramp over: the flat plan (launch.py says so)
         ramp_frac = 0.0
     micro_batch, start_accum, accum, asked = _step_batches(
@@ -237,7 +288,10 @@ def _shape_plan(
     steps = min(max_steps, int(steps_fit))
     train_s = seconds_of_steps(steps, step_s / accum, start_accum, accum, ramp * budget_s, budget_s)
     tokens = int(train_s * tokens_per_s) if ramp else steps * tokens_per_step
-    memory = memory_needed(costs, shape, micro_batch, seq_len, bf16)
+    memory = memory_needed(costs, shape, micro_batch, seq_len, bf16, **held)
+    snapshots = 2 * snapshot_bytes(costs, muon)  # trusted and pending
+    # rollback.Snapshot's own test: on a CUDA device with room for both twice over, else in pinned host memory
+    snapshots_on_device = kind != "cuda" or memory_bytes - memory > 2 * snapshots
     return RunPlan(
         model=name,
         **{k: shape[k] for k in ("n_layer", "n_head", "n_embd")},
@@ -263,6 +317,8 @@ def _shape_plan(
         tokens_per_param=tokens / costs["block_params"],
         memory_gib=memory / 2**30,
         fits=memory <= memory_bytes,
+        snapshot_gib=snapshots / 2**30,
+        snapshots_on_device=snapshots_on_device,
         matmul_tflops=matmul_rate / 1e12,
         efficiency=efficiency,
     )

@@ -3,6 +3,10 @@ saves, the final summary row and the two lines a person reads at the end."""
 
 import dataclasses
 import json
+import os
+import queue
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -14,12 +18,17 @@ from streams import lost_log_streams
 
 
 def summary_row(run, clock, state, val_loss, val_batches):
-    """The final metrics row: what happened, beside the plan; clock start and bad windows agreed over ranks."""
+    """The final metrics row: what happened, beside the plan; clock start, start-up and bad windows agreed over
+    ranks."""
     first_clock = torch.tensor([state.clock_start_unix], device=run.device, dtype=torch.float64)
+    startup = torch.tensor(
+        [-1.0 if state.startup_s is None else state.startup_s], device=run.device, dtype=torch.float64
+    )
     bad_windows = torch.tensor([run.loader.bad_windows], device=run.device)
     eager_runs = torch.tensor([run.eager_runs.count], device=run.device)
     if run.world > 1:
         dist.all_reduce(first_clock, op=dist.ReduceOp.MIN)
+        dist.all_reduce(startup, op=dist.ReduceOp.MAX)
         dist.all_reduce(bad_windows)
         dist.all_reduce(eager_runs, op=dist.ReduceOp.MAX)
     return {
@@ -39,6 +48,7 @@ def summary_row(run, clock, state, val_loss, val_batches):
         "eager_runs": eager_runs.item(),  # calls of compiled regions run eagerly after a guard miss (slower steps)
         "final_lr_frac": state.lr_frac,
         "stop_reason": state.stop_reason,
+        "weights": state.weights,  # what the final checkpoint holds: plain, or the tail EMA's blend
         "val_loss": val_loss,
         "val_batches": val_batches,
         "params": run.raw_model.num_params(),
@@ -48,8 +58,9 @@ def summary_row(run, clock, state, val_loss, val_batches):
         "grad_accum_steps": clock.accum,
         "bad_windows": bad_windows.item(),
         "lost_streams": lost_log_streams(),
-        "step0_saved_unix": run.step0_saved_unix,
+        "step0_saved_unix": run.checkpointer.written.get(0),  # rank 0's step-0 file in place (a background save)
         "clock_start_unix": first_clock.item(),
+        "startup_s": round(startup.item(), 3) if startup.item() >= 0 else None,  # process start to clock start
         "plan": dataclasses.asdict(run.plan),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(run.device) / 2**30, 2)
         if run.device.type == "cuda"
@@ -68,8 +79,97 @@ def planned_graphs(model, micro_tokens, device_type):
     return len({k is None for k in model.ve_index}) + chunk_graphs(micro_tokens, model.padded_vocab, device_type)
 
 
+class MetricsFile:
+    """Rank 0's metrics rows, written and flushed by a thread of their own: put() only queues a line, so a file system
+    that stalls (NFS) holds that thread, never the training loop and the ranks that wait for it. Rows are written in
+    order. A write that fails (a full disk) ends the file: .error says why, and later rows are dropped."""
+
+    def __init__(self, handle):
+        self.handle, self.error, self.closed, self._said = handle, None, False, False
+        self._lines = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._drain, daemon=True)  # a stuck write never keeps the process
+        self._thread.start()
+
+    def put(self, row):
+        self._lines.put(json.dumps(row) + "\n")
+
+    def _drain(self):
+        end = False
+        while not end:
+            lines = [self._lines.get()]  # then whatever else is queued: one write and one flush for all of them
+            while not self._lines.empty():
+                lines.append(self._lines.get())
+            end = lines[-1] is None
+            if self.error is None:
+                try:
+                    self.handle.write("".join(line for line in lines if line is not None))
+                    self.handle.flush()
+                except OSError as e:
+                    self.error = e.strerror or str(e)
+
+    def failure(self):
+        """Why the file stopped taking rows, the first time this is asked after it did; else None."""
+        if self.error is None or self._said:
+            return None
+        self._said = True
+        return self.error
+
+    def close(self, timeout):
+        """Wait up to timeout seconds for the queued rows to be written, then close the file; False when the writer
+        is still stuck then: it is abandoned (a daemon thread, gone with the process)."""
+        if not self.closed:
+            self.closed = True
+            self._lines.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        try:
+            self.handle.close()
+        except OSError as e:  # the flush of rows a full disk refused
+            self.error = self.error or e.strerror or str(e)
+        return True
+
+
+# at the end, the longest a stalled file system may hold the last metrics rows: the checkpoint is on disk by then, and
+# under SLURM at most half of what is left of the job (the reserve after training is 60 s), so the ranks still exit
+METRICS_DRAIN_S = 30.0
+
+
+def close_metrics(run):
+    """Rank 0's metrics file, its queued rows written: at most METRICS_DRAIN_S, never past half the job's remaining
+    time; a writer still stuck is said and left behind."""
+    if run.metrics is None:
+        return
+    job_left = run.deadline + run.hp.slurm_reserve_s - time.time()
+    wait_s = max(min(METRICS_DRAIN_S, job_left / 2), 0.0)
+    if not run.metrics.close(wait_s):
+        run.say(
+            f"warning: {run.hp.metrics_path} took no rows for {wait_s:.0f} s (a stalled file system?); "
+            f"the last rows are dropped so that the run can exit"
+        )
+    elif why := run.metrics.failure():
+        run.say(metrics_failure(run.hp.metrics_path, why))
+    run.metrics = None
+
+
+def metrics_failure(path, why):
+    return f"warning: cannot write {path} ({why}); metrics rows stop here"
+
+
+def process_age_s():
+    """Seconds since this process started (Linux's /proc: field 22 of /proc/self/stat, in clock ticks after boot,
+    against /proc/uptime), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+            return float(uptime.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Logger:
-    """Metrics rows (rank 0's file), the progress bar, the clock's notes and failed background saves."""
+    """Metrics rows (rank 0's file, through its writer thread), the progress bar, the clock's notes and failed
+    background saves."""
 
     def __init__(self, run, clock):
         self.run, self.clock = run, clock
@@ -80,14 +180,12 @@ class Logger:
         self.prev_tokens = 0
 
     def emit(self, row):
+        """Queue the row (rank 0); a file that stopped taking rows (a full disk) is said once, and training goes on."""
         if self.run.metrics is None:
             return
-        try:
-            self.run.metrics.write(json.dumps(row) + "\n")
-            self.run.metrics.flush()
-        except OSError as e:  # a full disk must not end training: the checkpoint matters, the log does not
-            self.run.say(f"warning: cannot write {self.run.hp.metrics_path} ({e.strerror}); metrics rows stop here")
-            self.run.metrics = None
+        self.run.metrics.put(row)
+        if why := self.run.metrics.failure():
+            self.run.say(metrics_failure(self.run.hp.metrics_path, why))
 
     def row(self, step, tokens, elapsed, lr_frac, train_loss):
         """The training row of a sync."""
@@ -115,8 +213,8 @@ class Logger:
             self.run.say(note)
         self.clock.notes.clear()
 
-    def meta(self, step, tokens):
-        return {"config": self.run.config, "step": step, "tokens": tokens}
+    def meta(self, step, tokens, weights="plain"):
+        return {"config": self.run.config, "step": step, "tokens": tokens, "weights": weights}
 
     def failed_save(self, wait=True):
         """A background save that failed is said once; training goes on and the previous checkpoint stays."""
@@ -128,8 +226,7 @@ class Logger:
         """The bar ends where training ended (all of it, on the clock), then closes; the metrics file too."""
         self.bar.update(min(round(train_s), self.bar.total) - self.bar.n)
         self.bar.close()
-        if self.run.metrics is not None:
-            self.run.metrics.close()
+        close_metrics(self.run)
 
 
 def human_summary(summary, hp):

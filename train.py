@@ -33,13 +33,14 @@ from config import check_flags, overridden_flags, parse_args
 from checkpoint import CheckpointError
 from clock import Clock
 from rollback import Guard
+from tailema import TailEMA
 from plan import MIN_TOKENS_PER_STEP
 from windows import DataChanged
 from headloss import head_loss
 from launch import agreed_budget, build_plan, launch, resolve
 from ranks import fail, failing_ranks, lost_contact, rank_span
 from streams import guard_log_streams
-from report import Logger, human_summary, summary_row
+from report import Logger, close_metrics, human_summary, process_age_s, summary_row
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -121,6 +122,7 @@ def main(argv=None):
         if run.world == 1 or not lost_contact(e):
             raise
         run.checkpointer.wait()
+        close_metrics(run)
         fail(
             f"error: rank {run.rank} lost contact with the other ranks ({why(e)}); {run.hp.checkpoint_path} holds the "
             f"last save",
@@ -246,6 +248,9 @@ class LoopState:
     compile_fallback_ranks: list = dataclasses.field(default_factory=list)
     train_s: float = 0.0
     clock_start_unix: float = 0.0
+    startup_s: float | None = None  # from this process's start to the clock's
+    progress: float = 0.0  # the schedule's, at the last step
+    weights: str = "plain"  # what the final checkpoint holds: plain weights, or the tail EMA's blend
 
 
 def make_clock(run, budget_s):
@@ -275,14 +280,15 @@ def train(run):
     clock = make_clock(run, agreed_budget(run))
     log, state = Logger(run, clock), LoopState()
     guard = Guard(run.raw_model, run.optimizers, run.device, run.say)
+    ema = TailEMA(run.raw_model, run.hp.tail_ema, run.hp.tail_ema_horizon)
     loss_sum = torch.zeros((), device=run.device)
     gc.collect()
     gc.disable()  # a collection pause on one rank stalls all of them
     t0 = time.perf_counter()  # the clock starts right before the first forward pass, on every rank together
-    state.clock_start_unix = time.time()
+    state.clock_start_unix, state.startup_s = time.time(), process_age_s()
     while True:
         if clock.due(state.step):
-            state.stop_reason = host_sync(run, clock, log, state, guard, loss_sum, time.perf_counter() - t0, amp)
+            state.stop_reason = host_sync(run, clock, log, state, guard, ema, loss_sum, time.perf_counter() - t0, amp)
             if state.stop_reason:
                 break
         step_loss = optimizer_step(run, clock, state, guard, amp)
@@ -292,13 +298,13 @@ def train(run):
     state.train_s = time.perf_counter() - t0
     gc.enable()
     run.loader.close()
-    return finish(run, log, clock, amp, state, guard)
+    return finish(run, log, clock, amp, state, guard, ema)
 
 
-def host_sync(run, clock, log, state, guard, loss_sum, elapsed, amp):
+def host_sync(run, clock, log, state, guard, ema, loss_sum, elapsed, amp):
     """One all-reduce for the slowest rank's clock, its pauses, any stop signal and a rank whose data is gone; the
-    metrics row, the divergence test (a rollback), the clock's decision, then what it plans into the pause: a
-    snapshot, a background save, a validation. Returns the stop reason."""
+    metrics row, the divergence test (a rollback) or the tail EMA's update, the clock's decision, then what it plans
+    into the pause: a snapshot, a background save, a validation. Returns the stop reason."""
     data_rank = run.rank + 1 if run.data_gone else 0  # which rank's data is gone, if any: every rank stops with it
     stats = torch.tensor(
         [elapsed, state.paused, state.val_token_s, float(bool(run.stop_signal)), data_rank], device=run.device
@@ -317,6 +323,9 @@ def host_sync(run, clock, log, state, guard, loss_sum, elapsed, amp):
             step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * clock.step_accum
             if not guard.roll_back(state.step, why, batch_lr_scale(step_tokens, run.hp, run.device.type)):
                 return "diverged"
+            ema.reset()
+        else:
+            ema.update(state.progress, state.step)
     stop_reason = "signal" if signalled else clock.sync(state.step, elapsed, paused_all, val_token_s_all)
     if data_rank:
         run.say(f"stopping: rank {int(data_rank) - 1} has no training data left to read (its stderr says why)")
@@ -349,6 +358,7 @@ def optimizer_step(run, clock, state, guard, amp):
     done, accum = clock.begin_step(state.step)
     step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * accum
     state.lr_frac, momentum = schedule(done, run.hp)
+    state.progress = done
     run.raw_model.set_progress(done)  # model.py's untie_at
     set_lrs(run.optimizers, run.hp, state.lr_frac, momentum, step_tokens, run.device.type, guard.lr_scale)
     loss_fn = step_loss_fn(run, done)
@@ -448,19 +458,26 @@ def first_compiled_step(run, accum, amp, loss_fn):
     return step_loss, eager, first_why
 
 
-def finish(run, log, clock, amp, state, guard):
+def finish(run, log, clock, amp, state, guard, ema):
     """After the clock: save first, then validate (a slow eval can never cost the checkpoint), then the summary.
-    A run that diverged after its last rollback saves its last trusted snapshot, and exits 0."""
+    A run that diverged after its last rollback saves its last trusted snapshot, and exits 0; else the weights take
+    in the tail EMA's blend, if it is on and its window opened (what the checkpoint and the validation score)."""
     hp, device, train_s = run.hp, run.device, state.train_s
-    if state.stop_reason == "diverged":
+    diverged = state.stop_reason == "diverged"
+    if diverged:
         run.say(f"stopping: the loss diverged after {len(guard.rollbacks)} rollback(s)")
-    guard.restore_for_the_final_save(state.step, diverged=state.stop_reason == "diverged")
+    else:
+        ema.update(state.progress, state.step)
+        state.weights = ema.blend_in()
+        if state.weights != "plain":
+            run.say(f"final weights: {state.weights}")
+    guard.restore_for_the_final_save(state.step, diverged=diverged)
     step, tokens = guard.weights_of(state.step, state.tokens)  # what the checkpoint and the final validation hold
     saved = True
     if run.rank == 0:
         log.failed_save()
         try:
-            run.checkpointer.save(run.raw_model, log.meta(step, tokens), background=False)
+            run.checkpointer.save(run.raw_model, log.meta(step, tokens, state.weights), background=False)
             run.say(f"saved {hp.checkpoint_path} at step {step} ({state.stop_reason}) after {train_s:.1f}s")
         except Exception as e:  # any failure: rank 0 still validates with the others and meets them at the barrier
             run.say(f"error: the final save failed: {e if isinstance(e, CheckpointError) else repr(e)[:300]}")

@@ -68,7 +68,7 @@ def test_batch_size_is_a_floor_and_an_explicit_micro_batch_is_kept(event_plan):
 def test_micro_batch_shrinks_to_fit_memory(event_plan):
     big, _ = event_plan(model="l16w1024")
     costs = P.shape_costs(P.shape_config("l16w1024"), 32000, 1024)
-    small_memory = P.memory_needed(costs, P.shape_config("l16w1024"), 4, 1024, True)
+    small_memory = P.memory_needed(costs, P.shape_config("l16w1024"), 4, 1024, True, kind="cuda", world_size=32)
     small, _ = event_plan(model="l16w1024", memory_bytes=small_memory, batch_size=1)
     assert small.micro_batch <= 4 < big.micro_batch and small.fits
     assert small.tokens_per_step >= big.tokens_per_step * 0.9  # the same step, more accumulation
@@ -97,7 +97,7 @@ def test_auto_takes_the_largest_shape_meeting_the_ratio_and_never_one_that_does_
     i = NAMES.index(plan.model)
     assert table[i].tokens_per_param >= 20.0 and table[i + 1].tokens_per_param < 20.0
     costs = P.shape_costs(P.shape_config("l12w768"), 32000, 1024)
-    need = P.memory_needed(costs, P.shape_config("l12w768"), 8, 1024, True)
+    need = P.memory_needed(costs, P.shape_config("l12w768"), 8, 1024, True, kind="cuda", world_size=32)
     assert event_plan(memory_bytes=need)[0].model == "l12w768"
     with pytest.raises(ValueError, match="fits"):
         event_plan(memory_bytes=1.0)
@@ -143,3 +143,48 @@ def test_matmul_rate_predicts_the_time_of_a_matmul_workload():
         a @ a
     predicted = 20 * 2 * 384**3 / rate
     assert 0.25 < (time.perf_counter() - start) / predicted < 4.0  # a shared 2-core box: a factor of 4 either way
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("use_muon", [True, False])
+def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(use_muon):
+    """plan.snapshot_bytes, from parameter counts alone, against rollback.Snapshot's buffers after a real step of
+    the real optimizers (their state exists then); fused AdamW's step counters are the only extra bytes."""
+    from muon import build_optimizers
+    from rollback import Snapshot
+
+    shape = {"n_layer": 4, "n_head": 2, "n_embd": 64}
+    torch.manual_seed(0)
+    model = get_model({"vocab_size": 512, "seq_len": 32, **shape})
+    lrs = dict(muon_lr=0.02, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04)
+    optimizers = build_optimizers(model, use_muon=use_muon, **lrs)
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+    for opt in optimizers:
+        opt.step()
+    snapshot = Snapshot(model, optimizers, torch.device("cpu"))
+    snapshot.take(1)
+    counters = sum(s["step"].nbytes for opt in optimizers for s in opt.state.values() if torch.is_tensor(s.get("step")))
+    held = sum(t.nbytes for t in snapshot.saved)
+    assert held == P.snapshot_bytes(P.shape_costs(shape, 512, 32), muon=use_muon) + counters
+
+
+def test_the_event_plan_counts_transients_and_says_where_the_snapshots_go(event_plan):
+    """At the event's plan (micro 13, 32 ranks), the review's parts on top of state and activations: the head's chunk
+    buffers, the tables' per-micro-step gradients, the hook's copies of the bigram bucket, Muon's gather."""
+    plan, _ = event_plan(model="l16w1024")
+    costs = P.shape_costs(P.shape_config("l16w1024"), 32000, 1024)
+    tokens = plan.micro_batch * 1024
+    before = costs["params"] * 16 + tokens * (34 * 16 + 2 * costs["n_tables"]) * 1024 * 2  # the forecast until now
+    rows = P.chunk_rows(tokens, 32000, 512 << 20)
+    head = 4 * rows * 32000 * 4 + (32000 + tokens) * 1024 * 4
+    parts = head + 4 * costs["table_params"] + 6 * 163_840_000 + 2 * costs["muon_params"]
+    assert (plan.micro_batch, rows) == (13, 3328) and plan.memory_gib * 2**30 == before + parts
+    assert plan.snapshot_gib * 2**30 == 2 * P.snapshot_bytes(costs, muon=True)
+    assert plan.snapshots_on_device and plan.line().endswith("GiB of rollback snapshots on it")
+    # a device with room for the rest but not for both snapshots twice over: they go to pinned host memory
+    tight, _ = event_plan(model="l16w1024", memory_bytes=plan.memory_gib * 2**30 + plan.snapshot_gib * 2**30)
+    assert tight.fits and not tight.snapshots_on_device and tight.micro_batch == plan.micro_batch
+    assert "GiB of rollback snapshots in pinned host memory" in tight.line()
