@@ -10,6 +10,7 @@ import torch
 import config
 from conftest import TINY
 from model import FIRST_KEYS, GPTConfig, get_model
+from tailema import TailEMA
 
 # ----------------------------------------------------------------------------- boolean flags
 
@@ -275,6 +276,7 @@ def test_each_metrics_row_is_the_mean_of_its_steps_through_replans_rollbacks_and
     torch.manual_seed(0)
     model = get_model({**SHAPE, "n_layer": 1})
     guard = rollback.Guard(model, [], torch.device("cpu"), lambda message: None)
+    ema = TailEMA(model, 0.0, 0.12)  # off, as by default
     hp = types.SimpleNamespace(seq_len=16, save_every_min=0.0, lr_rule="none")
     run = types.SimpleNamespace(
         rank=0, world=1, device=torch.device("cpu"), data_gone=None, stop_signal=[], hp=hp, val=[], say=print
@@ -285,7 +287,7 @@ def test_each_metrics_row_is_the_mean_of_its_steps_through_replans_rollbacks_and
     while True:
         if clock.due(state.step):
             syncs.append(state.step)
-            if train.host_sync(run, clock, log, state, guard, loss_sum, elapsed, None):
+            if train.host_sync(run, clock, log, state, guard, ema, loss_sum, elapsed, None):
                 break
         _, accum = clock.begin_step(state.step)
         loss = float("nan") if state.step in (40, 90, 150) else 3.0 + (state.step * 7919 % 13) / 10

@@ -165,9 +165,10 @@ def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(
     for opt in optimizers:
         opt.step()
     snapshot = Snapshot(model, optimizers, torch.device("cpu"))
-    snapshot.take(1)
+    snapshot.take(1, 64)
     counters = sum(s["step"].nbytes for opt in optimizers for s in opt.state.values() if torch.is_tensor(s.get("step")))
-    held = sum(t.nbytes for t in snapshot.saved)
+    copies = [*snapshot.weights, *(v for state in snapshot.held.values() for v in state.values() if torch.is_tensor(v))]
+    held = sum(t.nbytes for t in copies)
     assert held == P.snapshot_bytes(P.shape_costs(shape, 512, 32), muon=use_muon) + counters
 
 
