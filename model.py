@@ -102,6 +102,15 @@ def bigram_hash(idx, rows):
     return torch.cat([idx.new_full((idx.size(0), 1), rows - 1), pairs], dim=1)
 
 
+def lookup(table, idx):
+    """table(idx). Once a micro-step's backward has left a dense .grad on the table, later micro-steps hand autograd
+    a sparse gradient (the rows looked up), which it adds into that .grad in place: no zero-filled table-sized
+    gradient and no full-table add per micro-step (2.6 GB each for the bigram table at the event; BENCHMARKS). The
+    first stays dense, as DDP's buckets and fused AdamW need; compiled graphs keep the dense form."""
+    sparse = not torch.compiler.is_compiling() and table.weight.grad is not None
+    return F.embedding(idx, table.weight, sparse=sparse)
+
+
 def gate_linear(cfg, n_out, on):
     """A zero-init (GATE_DIM -> n_out) linear map (sigmoid 0.5 at init), or None when its switch is off."""
     return nn.Linear(min(GATE_DIM, cfg.n_embd), n_out, bias=False) if on else None
@@ -317,7 +326,7 @@ class GPT(nn.Module):
             raise ValueError("forward(loss_fn=...) returns the loss alone, so it needs targets")
         B, T = idx.shape
         cfg = self.config
-        x = self.wte(idx)
+        x = lookup(self.wte, idx)
         if self.wpe is not None:
             if T > cfg.seq_len:
                 raise ValueError(f"pos='learned' supports T <= seq_len={cfg.seq_len}, got T={T}")
@@ -325,14 +334,14 @@ class GPT(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if self.bigram is not None:
-            x = x + self.bigram_lambda * self.bigram(bigram_hash(idx, self.bigram.num_embeddings))
+            x = x + self.bigram_lambda * lookup(self.bigram, bigram_hash(idx, self.bigram.num_embeddings))
         if self.smear_gate is not None:  # position t also sees t-1's embedding, through a gate read at t
             smear = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :GATE_DIM]))
             x = torch.cat([x[:, :1], x[:, 1:] + smear * x[:, :-1]], dim=1)
         # a copy, not an alias: compiled blocks guard on `x is x0`, and block 0 would be a graph of its own
         x0, x = x, x.clone()
         rope = self.rotary(T, idx.device) if self.rotary is not None else None
-        ves = [ve(idx) for ve in self.value_embeds]
+        ves = [lookup(ve, idx) for ve in self.value_embeds]
         L, skips, early = len(self.blocks), [], None
         for i, block in enumerate(self.blocks):
             if i >= L - self.n_skip:

@@ -96,6 +96,17 @@ def flat_gather(distributed=dist):
 all_gather_flat = flat_gather()
 
 
+def cautious_decay_(p, direction, decay):
+    """p -= decay * p where direction (the update about to be applied) and p agree in sign, in place.
+
+    An fp32 product, a bool mask and one addcmul: 3 kernels and 26 bytes read and written an fp32 entry, where
+    p.sub_(p * mask) took 4 and 38 (BENCHMARKS.md, "Per-step memory work"). sub_ rounded p - decay * p once (a fused
+    multiply-add), addcmul rounds decay * p first: a decayed entry may differ by one fp32 rounding. torch's _foreach
+    ops have no comparison, and a compiled kernel would be a graph that step 0 does not compile.
+    """
+    p.addcmul_(p, direction * p > 0, value=-decay)
+
+
 class Muon(torch.optim.Optimizer):
     """Momentum + Newton-Schulz orthogonalised updates for parameters with ndim >= 2.
 
@@ -185,7 +196,7 @@ class Muon(torch.optim.Optimizer):
             update = ortho[i].view_as(p)
             decay = group["lr"] * group["weight_decay"]
             if decay and group.get("cautious", False):
-                p.sub_(p * (update * p > 0), alpha=decay)
+                cautious_decay_(p, update, decay)
             elif decay:
                 p.mul_(1 - decay)
             p.add_(update, alpha=-group["lr"] * scale)
@@ -234,7 +245,7 @@ class CautiousAdamW(torch.optim.AdamW):
                 continue
             for p in group["params"]:
                 if p.grad is not None and "exp_avg" in self.state[p]:
-                    p.sub_(p * (self.state[p]["exp_avg"] * p > 0), alpha=decay)
+                    cautious_decay_(p, self.state[p]["exp_avg"], decay)
         return loss
 
 

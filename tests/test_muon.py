@@ -1,10 +1,8 @@
 """Tests for muon.py: Newton-Schulz, the Muon step, sharding over gloo ranks, resume, the split rule."""
 
-import datetime
 import io
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import muon  # noqa: E402
+from conftest import free_port, init_gloo  # noqa: E402
 from muon import (
     Muon,
     _assign_to_ranks,
@@ -123,15 +122,8 @@ def reference_snapshots(n_matrices):
 
 
 def gloo_worker(rank, world_size, port, cases):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, world_size, port)
     try:
-        torch.set_num_threads(1)
         orthogonalised = []  # how many parameters this rank ran Newton-Schulz on
 
         def counting_newtonschulz(G, steps, coeffs="quintic"):
@@ -164,12 +156,6 @@ def gloo_worker(rank, world_size, port, cases):
     # torch 2.13 + gloo: interpreter teardown after destroy_process_group sometimes aborts ("terminate called
     # without an active exception", ~10% of 2-rank runs); once every check has passed, skip the teardown.
     os._exit(0)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
