@@ -153,6 +153,15 @@ class Hyperparameters:
         "Amsel et al. 2025)",
         choices=("quintic", "polar_express"),
     )
+    # NorMuon: Li et al. 2025 (arXiv:2510.05491); mnGPT short track #41 (-0.8 s; with #42's LR fix -2.7 s) and the
+    # medium track (16 x 1024: beta2 0.95). Here: measured, BENCHMARKS.md "NorMuon"; off until a combined run decides
+    normuon_beta2: float = flag(
+        0.0,
+        "NorMuon: each neuron's Muon update divided by the root of an EMA of its mean square with this beta2, the "
+        "update's norm kept (0: off, plain Muon; 0.95: the record's)",
+        at_least=0.0,
+        below=1.0,
+    )
     muon_momentum_start: float = flag(
         0.85, "Muon momentum at the start (early gradients are noisy)", at_least=0.0, below=1.0
     )

@@ -102,13 +102,33 @@ def bigram_hash(idx, rows):
     return torch.cat([idx.new_full((idx.size(0), 1), rows - 1), pairs], dim=1)
 
 
+class SparseAfterFirst(torch.autograd.Function):
+    """F.embedding whose backward gives a dense gradient while the table has no .grad, and the looked-up rows as a
+    sparse one once it has (decided at backward, so code that zeroes .grad between forward and backward stays dense):
+    autograd then adds those rows into the dense .grad in place."""
+
+    @staticmethod
+    def forward(ctx, idx, weight):
+        ctx.save_for_backward(idx, weight)
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx, weight = ctx.saved_tensors
+        backward = torch.ops.aten.embedding_dense_backward
+        if weight.grad is not None and not weight.grad.is_sparse:
+            backward = torch.ops.aten.embedding_sparse_backward
+        return None, backward(grad, idx, weight.size(0), -1, False)
+
+
 def lookup(table, idx):
-    """table(idx). Once a micro-step's backward has left a dense .grad on the table, later micro-steps hand autograd
-    a sparse gradient (the rows looked up), which it adds into that .grad in place: no zero-filled table-sized
-    gradient and no full-table add per micro-step (2.6 GB each for the bigram table at the event; BENCHMARKS). The
-    first stays dense, as DDP's buckets and fused AdamW need; compiled graphs keep the dense form."""
-    sparse = not torch.compiler.is_compiling() and table.weight.grad is not None
-    return F.embedding(idx, table.weight, sparse=sparse)
+    """table(idx). After a micro-step's backward has left a dense .grad on the table, the next micro-steps' backward
+    adds just the rows looked up into it, where a dense lookup gradient zero-fills a table-sized tensor and adds all
+    of it (2.6 GB a micro-step for the bigram table at the event; BENCHMARKS.md, "Per-step memory work"). The first
+    stays dense, as DDP's buckets and fused AdamW need; compiled graphs keep the dense form (no sparse tensors)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return F.embedding(idx, table.weight)
+    return SparseAfterFirst.apply(idx, table.weight)
 
 
 def gate_linear(cfg, n_out, on):

@@ -107,6 +107,23 @@ def cautious_decay_(p, direction, decay):
     p.addcmul_(p, direction * p > 0, value=-decay)
 
 
+def normuon_scale(update, second_moment, beta2):
+    """NorMuon's factor on an orthogonalised update (Li et al. 2025, arXiv:2510.05491; modded-nanogpt's short track
+    #41 and its medium track): each neuron's row (columns of a wide matrix: the longer side's entries, as the record
+    chooses) divided by the root of an EMA of its mean square, then the whole matrix scaled back to the update's
+    Frobenius norm, so the step's size stays Muon's and only its share between neurons moves. Updates second_moment
+    (fp32, the reduced dim kept as 1) in place; returns the factor, fp32, broadcastable to update (0 for a zero update).
+    """
+    reduced = -1 if update.size(-2) >= update.size(-1) else -2
+    size = update.size(reduced)
+    mean_square = torch.linalg.vector_norm(update, dim=reduced, keepdim=True, dtype=torch.float32).square_() / size
+    second_moment.lerp_(mean_square, 1 - beta2)
+    step = second_moment.clamp_min(1e-10).rsqrt()
+    norm = (mean_square.sum(dim=(-2, -1), keepdim=True) * size).sqrt()
+    normalised_norm = (mean_square * step.square()).sum(dim=(-2, -1), keepdim=True).mul_(size).sqrt_()
+    return step * (norm / normalised_norm.clamp_min(1e-10))
+
+
 class Muon(torch.optim.Optimizer):
     """Momentum + Newton-Schulz orthogonalised updates for parameters with ndim >= 2.
 
@@ -115,7 +132,7 @@ class Muon(torch.optim.Optimizer):
         buf = lerp(buf, g, 1 - momentum);  u = lerp(g, buf, momentum) if nesterov else buf
         d = sqrt(max(1, rows / cols)) * NS(u)
         p -= lr * weight_decay * p * mask                            (decoupled weight decay, times the LR)
-        p -= lr * d
+        p -= lr * d                                  (with normuon_beta2 > 0: lr * d * normuon_scale(d), NorMuon)
     mask is 1 everywhere, or with cautious=True only where d and p have the same sign (where the update already
     pulls the weight toward 0: "cautious weight decay", modded-nanogpt's medium track). The shape factor keeps
     the per-entry update size comparable for tall matrices. Every group also
@@ -133,9 +150,12 @@ class Muon(torch.optim.Optimizer):
         weight_decay=0.0,
         cautious=False,
         ns_coeffs="quintic",
+        normuon_beta2=0.0,
     ):
         if ns_coeffs not in NS_COEFFS:
             raise ValueError(f"ns_coeffs must be one of {', '.join(NS_COEFFS)}, got {ns_coeffs!r}")
+        if not 0.0 <= normuon_beta2 < 1.0:
+            raise ValueError(f"normuon_beta2 must be in [0, 1) (0: off), got {normuon_beta2}")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -144,6 +164,7 @@ class Muon(torch.optim.Optimizer):
             weight_decay=weight_decay,
             cautious=cautious,
             ns_coeffs=ns_coeffs,
+            normuon_beta2=normuon_beta2,
         )
         super().__init__(params, defaults)
 
@@ -196,10 +217,22 @@ class Muon(torch.optim.Optimizer):
             update = ortho[i].view_as(p)
             decay = group["lr"] * group["weight_decay"]
             if decay and group.get("cautious", False):
-                cautious_decay_(p, update, decay)
+                cautious_decay_(p, update, decay)  # the update's signs: NorMuon's factor below is >= 0
             elif decay:
                 p.mul_(1 - decay)
-            p.add_(update, alpha=-group["lr"] * scale)
+            if group.get("normuon_beta2", 0.0):  # on every rank after the exchange: every rank keeps every buffer
+                state = self.state[p]
+                if "second_moment" not in state:
+                    tall = p.size(-2) >= p.size(-1)
+                    state["second_moment"] = (
+                        p.new_zeros(*p.shape[:-1], 1, dtype=torch.float32)
+                        if tall
+                        else p.new_zeros(*p.shape[:-2], 1, p.size(-1), dtype=torch.float32)
+                    )
+                factor = normuon_scale(update, state["second_moment"], group["normuon_beta2"])
+                p.addcmul_(update, factor, value=-group["lr"] * scale)
+            else:
+                p.add_(update, alpha=-group["lr"] * scale)
         return loss
 
     def _direction(self, p, group):
@@ -262,6 +295,7 @@ def build_optimizers(
     muon_weight_decay=0.0,
     adam_weight_decay=0.0,
     ns_coeffs="quintic",
+    normuon_beta2=0.0,
     use_muon=True,
     hidden_adamw_lr=3e-3,
     tied_head=None,
@@ -284,6 +318,7 @@ def build_optimizers(
     Embedding rows and head rows are per-token vectors, not hidden linear maps, so orthogonalising
     them is not what Muon is for. Weight decay is cautious and multiplied by the LR (Muon.step, CautiousAdamW):
     muon_weight_decay on the Muon group, adam_weight_decay on embed, head and hidden; never on scalars.
+    normuon_beta2 > 0 makes the Muon group NorMuon (normuon_scale).
     Empty AdamW groups are left out. AdamW is fused on every device: one kernel
     over all its tensors (on one CPU thread, 15 ms against 114 for the per-tensor loop over four 32K x 128 tables).
     """
@@ -331,6 +366,7 @@ def build_optimizers(
             weight_decay=muon_weight_decay,
             cautious=True,
             ns_coeffs=ns_coeffs,
+            normuon_beta2=normuon_beta2,
         ),
         adamw,
     ]

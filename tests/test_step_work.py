@@ -222,22 +222,39 @@ def dense_sum(model, batches):
     return total
 
 
-def test_later_micro_steps_hand_the_tables_sparse_gradients_that_sum_to_the_dense_ones():
+@pytest.mark.parametrize("tied", [False, True])
+def test_later_micro_steps_hand_the_tables_sparse_gradients_that_sum_to_the_dense_ones(tied):
     torch.manual_seed(0)
-    model = get_model(SMALL)
+    model = get_model({**SMALL, "tie_embeddings": tied})
     batches = micro_batches(3, seed=1)
     reference = dense_sum(model, batches)
     layouts = record_layouts(model)
     for x, y in batches:
         model(x, y)[1].backward()
     for name in TABLES:  # the first micro-step leaves a dense .grad; the next ones add their rows into it
-        assert layouts[name] == [torch.strided, torch.sparse_coo, torch.sparse_coo], name
+        # a tied wte also takes the head's dense gradient, which autograd sums with its rows before the hook sees it
+        sparse = torch.strided if tied and name == "wte.weight" else torch.sparse_coo
+        assert layouts[name] == [torch.strided, sparse, sparse], name
     for name, p in model.named_parameters():
         assert p.grad.layout == torch.strided
         torch.testing.assert_close(p.grad, reference[name], rtol=1e-5, atol=1e-7)  # the sums' order differs
-    fresh = get_model(SMALL)  # the same weights without a .grad: the forward does not depend on the lookup's form
+    fresh = get_model({**SMALL, "tie_embeddings": tied})  # the same weights without a .grad: the same forward
     fresh.load_state_dict(model.state_dict())
     assert torch.equal(model(*batches[0])[1], fresh(*batches[0])[1])
+
+
+def test_a_grad_zeroed_between_forward_and_backward_stays_dense():
+    """The usual loop (forward, optimizer.zero_grad(), backward, step: tests/test_ship.py's, anyone's with model.py):
+    the lookup decides at backward, when .grad is gone, so every gradient is dense and plain Adam takes it."""
+    torch.manual_seed(0)
+    model = get_model(SMALL)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for x, y in micro_batches(3, seed=2):
+        loss = model(x, y)[1]
+        optimizer.zero_grad()
+        loss.backward()
+        assert all(p.grad.layout == torch.strided for p in model.parameters())
+        optimizer.step()
 
 
 def ddp_worker(rank, world_size, port):
