@@ -168,6 +168,16 @@ class Hyperparameters:
         "Amsel et al. 2025)",
         choices=("quintic", "polar_express"),
     )
+    # NorMuon: Li et al. 2025 (arXiv:2510.05491); mnGPT short track #41 (-0.8 s; with #42's LR fix -2.7 s), medium #18
+    # (16 x 1024, beta2 0.95). Here: -0.021 at 40 steps, -0.022 at 100 (3 seeds each, all better, one seed within 0.02
+    # each time: a tie by the rule; BENCHMARKS.md). Off until a combined run decides
+    normuon_beta2: float = flag(
+        0.0,
+        "NorMuon: each neuron's Muon update divided by the root of an EMA of its mean square with this beta2, the "
+        "update's norm kept (0: off, plain Muon; 0.95: the record's)",
+        at_least=0.0,
+        below=1.0,
+    )
     muon_momentum_start: float = flag(
         0.85, "Muon momentum at the start (early gradients are noisy)", at_least=0.0, below=1.0
     )

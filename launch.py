@@ -380,6 +380,7 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         muon_weight_decay=hp.muon_weight_decay,
         adam_weight_decay=hp.adam_weight_decay,
         ns_coeffs=hp.ns_coeffs,
+        normuon_beta2=hp.normuon_beta2,
         tied_head=tied_head,
     )
     if hp.compile:

@@ -102,6 +102,35 @@ def bigram_hash(idx, rows):
     return torch.cat([idx.new_full((idx.size(0), 1), rows - 1), pairs], dim=1)
 
 
+class SparseAfterFirst(torch.autograd.Function):
+    """F.embedding whose backward gives a dense gradient while the table has no .grad, and the looked-up rows as a
+    sparse one once it has (decided at backward, so code that zeroes .grad between forward and backward stays dense):
+    autograd then adds those rows into the dense .grad in place."""
+
+    @staticmethod
+    def forward(ctx, idx, weight):
+        ctx.save_for_backward(idx, weight)
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx, weight = ctx.saved_tensors
+        backward = torch.ops.aten.embedding_dense_backward
+        if weight.grad is not None and not weight.grad.is_sparse:
+            backward = torch.ops.aten.embedding_sparse_backward
+        return None, backward(grad, idx, weight.size(0), -1, False)
+
+
+def lookup(table, idx):
+    """table(idx). After a micro-step's backward has left a dense .grad on the table, the next micro-steps' backward
+    adds just the rows looked up into it, where a dense lookup gradient zero-fills a table-sized tensor and adds all
+    of it (2.6 GB a micro-step for the bigram table at the event; BENCHMARKS.md, "Per-step memory work"). The first
+    stays dense, as DDP's buckets and fused AdamW need; compiled graphs keep the dense form (no sparse tensors)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return F.embedding(idx, table.weight)
+    return SparseAfterFirst.apply(idx, table.weight)
+
+
 def gate_linear(cfg, n_out, on):
     """A zero-init (GATE_DIM -> n_out) linear map (sigmoid 0.5 at init), or None when its switch is off."""
     return nn.Linear(min(GATE_DIM, cfg.n_embd), n_out, bias=False) if on else None
@@ -317,7 +346,7 @@ class GPT(nn.Module):
             raise ValueError("forward(loss_fn=...) returns the loss alone, so it needs targets")
         B, T = idx.shape
         cfg = self.config
-        x = self.wte(idx)
+        x = lookup(self.wte, idx)
         if self.wpe is not None:
             if T > cfg.seq_len:
                 raise ValueError(f"pos='learned' supports T <= seq_len={cfg.seq_len}, got T={T}")
@@ -325,14 +354,14 @@ class GPT(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if self.bigram is not None:
-            x = x + self.bigram_lambda * self.bigram(bigram_hash(idx, self.bigram.num_embeddings))
+            x = x + self.bigram_lambda * lookup(self.bigram, bigram_hash(idx, self.bigram.num_embeddings))
         if self.smear_gate is not None:  # position t also sees t-1's embedding, through a gate read at t
             smear = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :GATE_DIM]))
             x = torch.cat([x[:, :1], x[:, 1:] + smear * x[:, :-1]], dim=1)
         # a copy, not an alias: compiled blocks guard on `x is x0`, and block 0 would be a graph of its own
         x0, x = x, x.clone()
         rope = self.rotary(T, idx.device) if self.rotary is not None else None
-        ves = [ve(idx) for ve in self.value_embeds]
+        ves = [lookup(ve, idx) for ve in self.value_embeds]
         L, skips, early = len(self.blocks), [], None
         for i, block in enumerate(self.blocks):
             if i >= L - self.n_skip:

@@ -96,6 +96,39 @@ def flat_gather(distributed=dist):
 all_gather_flat = flat_gather()
 
 
+def cautious_decay_(p, direction, decay):
+    """p -= decay * p where direction (the update about to be applied) and p agree in sign, in place.
+
+    An fp32 product, a bool mask and one addcmul: 3 kernels and 26 bytes read and written an fp32 entry, where
+    p.sub_(p * mask) took 4 and 38 (BENCHMARKS.md, "Per-step memory work"). sub_ rounded p - decay * p once (a fused
+    multiply-add), addcmul rounds decay * p first: a decayed entry may differ by one fp32 rounding. torch's _foreach
+    ops have no comparison, and a compiled kernel would be a graph that step 0 does not compile.
+    """
+    p.addcmul_(p, direction * p > 0, value=-decay)
+
+
+def normuon_scale(update, second_moment, beta2):
+    """NorMuon's factor on an orthogonalised update (Li et al. 2025, arXiv:2510.05491; modded-nanogpt's short track
+    #41 and its medium track): each neuron's row (columns of a wide matrix: the longer side's entries, as the record
+    chooses) divided by the root of an EMA of its mean square, then the whole matrix scaled back to the update's
+    Frobenius norm, so the step's size stays Muon's and only its share between neurons moves. Updates second_moment
+    (fp32, the reduced dim kept as 1) in place; returns the factor, fp32, broadcastable to update (0 for a zero update).
+    """
+    reduced = -1 if update.size(-2) >= update.size(-1) else -2
+    row_norms = torch.linalg.vector_norm(update, dim=reduced, keepdim=True, dtype=torch.float32)
+    return _normuon_factor(row_norms, second_moment, beta2, update.size(reduced))
+
+
+def _normuon_factor(row_norms, second_moment, beta2, size):
+    """normuon_scale from each row's norm (of `size` entries), for one matrix or a stack of them."""
+    mean_square = row_norms.square() / size
+    second_moment.lerp_(mean_square, 1 - beta2)
+    step = second_moment.clamp_min(1e-10).rsqrt()
+    norm = row_norms.square().sum(dim=(-2, -1), keepdim=True).sqrt()
+    normalised_norm = (mean_square * step.square()).sum(dim=(-2, -1), keepdim=True).mul_(size).sqrt_()
+    return step * (norm / normalised_norm.clamp_min(1e-10))
+
+
 class Muon(torch.optim.Optimizer):
     """Momentum + Newton-Schulz orthogonalised updates for parameters with ndim >= 2.
 
@@ -104,7 +137,7 @@ class Muon(torch.optim.Optimizer):
         buf = lerp(buf, g, 1 - momentum);  u = lerp(g, buf, momentum) if nesterov else buf
         d = sqrt(max(1, rows / cols)) * NS(u)
         p -= lr * weight_decay * p * mask                            (decoupled weight decay, times the LR)
-        p -= lr * d
+        p -= lr * d                                  (with normuon_beta2 > 0: lr * d * normuon_scale(d), NorMuon)
     mask is 1 everywhere, or with cautious=True only where d and p have the same sign (where the update already
     pulls the weight toward 0: "cautious weight decay", modded-nanogpt's medium track). The shape factor keeps
     the per-entry update size comparable for tall matrices. Every group also
@@ -122,9 +155,12 @@ class Muon(torch.optim.Optimizer):
         weight_decay=0.0,
         cautious=False,
         ns_coeffs="quintic",
+        normuon_beta2=0.0,
     ):
         if ns_coeffs not in NS_COEFFS:
             raise ValueError(f"ns_coeffs must be one of {', '.join(NS_COEFFS)}, got {ns_coeffs!r}")
+        if not 0.0 <= normuon_beta2 < 1.0:
+            raise ValueError(f"normuon_beta2 must be in [0, 1) (0: off), got {normuon_beta2}")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -133,6 +169,7 @@ class Muon(torch.optim.Optimizer):
             weight_decay=weight_decay,
             cautious=cautious,
             ns_coeffs=ns_coeffs,
+            normuon_beta2=normuon_beta2,
         )
         super().__init__(params, defaults)
 
@@ -179,17 +216,48 @@ class Muon(torch.optim.Optimizer):
 
         if distributed:
             ortho = self._exchange(params, owners, ortho, world_size, rank)
+        factors = self._normuon_factors(params, groups, ortho)
 
         for i, (p, group) in enumerate(zip(params, groups)):
             scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
             update = ortho[i].view_as(p)
             decay = group["lr"] * group["weight_decay"]
             if decay and group.get("cautious", False):
-                p.sub_(p * (update * p > 0), alpha=decay)
+                cautious_decay_(p, update, decay)  # the update's signs: NorMuon's factor below is >= 0
             elif decay:
                 p.mul_(1 - decay)
-            p.add_(update, alpha=-group["lr"] * scale)
+            if i in factors:
+                p.addcmul_(update, factors[i], value=-group["lr"] * scale)
+            else:
+                p.add_(update, alpha=-group["lr"] * scale)
         return loss
+
+    def _normuon_factors(self, params, groups, ortho):
+        """normuon_scale of every update in a NorMuon group, {index: factor}. On every rank after the exchange, so every
+        rank keeps every second moment; same-shape matrices in one batch: a few kernels a shape, where one matrix at a
+        time took ~14 small ones each (96 matrices at the event)."""
+        batches = defaultdict(list)
+        for i, (p, group) in enumerate(zip(params, groups)):
+            if group.get("normuon_beta2", 0.0):
+                batches[(p.shape, group["normuon_beta2"])].append(i)
+        factors = {}
+        for (shape, beta2), idx in batches.items():
+            reduced = -1 if shape[-2] >= shape[-1] else -2
+            for i in idx:
+                if "second_moment" not in self.state[params[i]]:
+                    moment_shape = (*shape[:-1], 1) if reduced == -1 else (*shape[:-2], 1, shape[-1])
+                    self.state[params[i]]["second_moment"] = params[i].new_zeros(moment_shape, dtype=torch.float32)
+            moments = [self.state[params[i]]["second_moment"] for i in idx]
+            row_norms = torch.stack(
+                [
+                    torch.linalg.vector_norm(ortho[i].view(shape), dim=reduced, keepdim=True, dtype=torch.float32)
+                    for i in idx
+                ]
+            )
+            stacked = torch.stack(moments)
+            factors.update(zip(idx, _normuon_factor(row_norms, stacked, beta2, shape[reduced]).unbind()))
+            torch._foreach_copy_(moments, list(stacked.unbind()))
+        return factors
 
     def _direction(self, p, group):
         """The momentum direction Newton-Schulz orthogonalises (Nesterov looks one step ahead)."""
@@ -234,7 +302,7 @@ class CautiousAdamW(torch.optim.AdamW):
                 continue
             for p in group["params"]:
                 if p.grad is not None and "exp_avg" in self.state[p]:
-                    p.sub_(p * (self.state[p]["exp_avg"] * p > 0), alpha=decay)
+                    cautious_decay_(p, self.state[p]["exp_avg"], decay)
         return loss
 
 
@@ -251,6 +319,7 @@ def build_optimizers(
     muon_weight_decay=0.0,
     adam_weight_decay=0.0,
     ns_coeffs="quintic",
+    normuon_beta2=0.0,
     use_muon=True,
     hidden_adamw_lr=3e-3,
     tied_head=None,
@@ -273,6 +342,7 @@ def build_optimizers(
     Embedding rows and head rows are per-token vectors, not hidden linear maps, so orthogonalising
     them is not what Muon is for. Weight decay is cautious and multiplied by the LR (Muon.step, CautiousAdamW):
     muon_weight_decay on the Muon group, adam_weight_decay on embed, head and hidden; never on scalars.
+    normuon_beta2 > 0 makes the Muon group NorMuon (normuon_scale).
     Empty AdamW groups are left out. AdamW is fused on every device: one kernel
     over all its tensors (on one CPU thread, 15 ms against 114 for the per-tensor loop over four 32K x 128 tables).
     """
@@ -320,6 +390,7 @@ def build_optimizers(
             weight_decay=muon_weight_decay,
             cautious=True,
             ns_coeffs=ns_coeffs,
+            normuon_beta2=normuon_beta2,
         ),
         adamw,
     ]

@@ -11,6 +11,7 @@ Shapes come from model.py's get_model when it imports, else 12 layers of width 7
 
     python bench/bench_muon.py            # full default model (about 1.6 TFLOP of float32 per step)
     python bench/bench_muon.py --quick    # 2 layers, one timed step
+    python bench/bench_muon.py --normuon --n_layer 4 --n_embd 128 --steps 50   # NorMuon off vs on, alternating
 """
 
 import argparse
@@ -31,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from muon import Muon, all_gather_flat, _assign_to_ranks, _newtonschulz_flops, build_optimizers  # noqa: E402
 
 
-def matrix_shapes(n_layer):
+def matrix_shapes(n_layer, n_embd=768):
     try:
         from model import get_model
     except ImportError:
-        return [(768, 768)] * 4 * n_layer + [(3072, 768), (768, 3072)] * n_layer
+        return [(n_embd, n_embd)] * 4 * n_layer + [(4 * n_embd, n_embd), (n_embd, 4 * n_embd)] * n_layer
     with torch.device("meta"):  # shapes only: no 800 MB of embeddings
-        model = get_model({"n_layer": n_layer})
+        model = get_model({"n_layer": n_layer, "n_embd": n_embd, "n_head": max(n_embd // 128, 1)})
     muon = build_optimizers(model, muon_lr=0.02, embed_lr=0.1, head_lr=0.1, scalar_lr=0.1)[0]
     return [tuple(p.shape) for p in muon.param_groups[0]["params"]]
 
@@ -119,6 +120,30 @@ def time_gloo(shapes, width, threads, warmup, steps, world_size=2):
         return json.loads(Path(out_path).read_text())
 
 
+def time_normuon(shapes, steps, threads):
+    """Muon.step with NorMuon off and on over the same matrices, one step of each in turn (the box's load falls on
+    both alike): the mean and the fastest of `steps` each."""
+    params = make_params(shapes)
+    optimizers = {beta2: Muon(params, lr=1e-4, normuon_beta2=beta2) for beta2 in (0.0, 0.95)}
+    times = {beta2: [] for beta2 in optimizers}
+    for beta2, opt in optimizers.items():
+        opt.step()  # warm-up: state allocated
+    for _ in range(steps):
+        for beta2, opt in optimizers.items():
+            start = time.perf_counter()
+            opt.step()
+            times[beta2].append(time.perf_counter() - start)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    print(
+        f"{len(shapes)} matrices, {numel / 1e6:.2f}M params, {threads} thread(s), {steps} alternating steps each, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    for beta2, t in times.items():
+        print(f"normuon_beta2 {beta2}: mean {sum(t) / len(t) * 1e3:8.2f} ms, fastest {min(t) * 1e3:8.2f} ms")
+    off, on = (sum(times[b]) / steps for b in (0.0, 0.95))
+    print(f"on / off: {on / off:.3f} (mean), {min(times[0.95]) / min(times[0.0]):.3f} (fastest)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 layers and one timed step (a smoke run)")
@@ -126,11 +151,15 @@ def main():
     parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--no-gloo", action="store_true", help="skip the real 2-process gloo run")
+    parser.add_argument("--n_embd", type=int, default=768, help="width of the matrices (default 768)")
+    parser.add_argument("--normuon", action="store_true", help="only Muon.step with NorMuon off vs on (beta2 0.95)")
     args = parser.parse_args()
     n_layer, steps = (2, 1) if args.quick else (args.n_layer, args.steps)
     torch.set_num_threads(args.threads)
 
-    shapes = matrix_shapes(n_layer)
+    shapes = matrix_shapes(n_layer, args.n_embd)
+    if args.normuon:
+        return time_normuon(shapes, steps, args.threads)
     numels = [torch.Size(s).numel() for s in shapes]
     costs = [_newtonschulz_flops(torch.Size(s)) for s in shapes]
     owners = _assign_to_ranks(costs, 2)

@@ -1,7 +1,9 @@
 """Fixtures and helpers shared by the test modules (no test module imports another)."""
 
+import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -10,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from synthetic import write_synthetic
 import plan
@@ -192,3 +195,22 @@ def epoch0_windows(loader):
         if loader.epoch > 0:
             return np.concatenate(windows)
         windows.append(full_windows(*batch))
+
+
+def free_port():
+    """A free localhost port for a gloo process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank, world_size, port):
+    """Join a gloo group of world_size spawned processes on localhost, one torch thread each (CI has 2 cores)."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)

@@ -18,6 +18,7 @@ SCRIPTS = [
     "bench/speedrun.py",
     "bench/throughput.py",
     "bench/bench_muon.py",
+    "bench/step_work.py",
     "bench/head_loss.py",
     "bench/compile_time.py",
     "bench/comm_bytes.py",

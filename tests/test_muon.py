@@ -1,10 +1,8 @@
 """Tests for muon.py: Newton-Schulz, the Muon step, sharding over gloo ranks, resume, the split rule."""
 
-import datetime
 import io
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import muon  # noqa: E402
+from conftest import free_port, init_gloo  # noqa: E402
 from muon import (
     Muon,
     _assign_to_ranks,
@@ -94,10 +93,11 @@ def make_params(n_matrices, seed=0):
     return [nn.Parameter(torch.randn(*s, generator=g) * 0.1) for s in shapes]
 
 
-def make_muon(params):
+def make_muon(params, normuon_beta2=0.0):
     half = (len(params) + 1) // 2
     groups = [dict(params=params[:half]), dict(params=params[half:], lr=0.05, weight_decay=0.1, nesterov=False)]
-    return Muon([g for g in groups if g["params"]], lr=0.02, momentum=0.9, weight_decay=0.01)
+    groups = [g for g in groups if g["params"]]
+    return Muon(groups, lr=0.02, momentum=0.9, weight_decay=0.01, normuon_beta2=normuon_beta2)
 
 
 def set_grads(params, step):
@@ -112,26 +112,19 @@ def run_steps(params, opt, steps, first_step=0):
         opt.step()
 
 
-def reference_snapshots(n_matrices):
+def reference_snapshots(n_matrices, normuon_beta2=0.0):
     """Single-process parameters after 1 and after 5 steps."""
     params = make_params(n_matrices)
-    opt = make_muon(params)
+    opt = make_muon(params, normuon_beta2)
     run_steps(params, opt, 1)
     after_1 = [p.detach().clone() for p in params]
     run_steps(params, opt, 4, first_step=1)
     return after_1, [p.detach().clone() for p in params]
 
 
-def gloo_worker(rank, world_size, port, cases):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+def gloo_worker(rank, world_size, port, normuon_beta2, cases):
+    init_gloo(rank, world_size, port)
     try:
-        torch.set_num_threads(1)
         orthogonalised = []  # how many parameters this rank ran Newton-Schulz on
 
         def counting_newtonschulz(G, steps, coeffs="quintic"):
@@ -142,7 +135,7 @@ def gloo_worker(rank, world_size, port, cases):
         for n_matrices, (after_1, after_5) in cases:
             orthogonalised.clear()
             params = make_params(n_matrices)
-            opt = make_muon(params)
+            opt = make_muon(params, normuon_beta2)
             run_steps(params, opt, 1)
             for p, expected in zip(params, after_1):
                 torch.testing.assert_close(p.detach(), expected)
@@ -153,12 +146,16 @@ def gloo_worker(rank, world_size, port, cases):
             work = torch.tensor([sum(orthogonalised)])
             dist.all_reduce(work)
             assert work.item() == 5 * n_matrices
-            for p in params:  # bit-identical on every rank
-                everyone = [torch.empty_like(p) for _ in range(world_size)]
-                dist.all_gather(everyone, p.detach().contiguous())
+            # Parameters and optimizer state bit-identical on every rank
+            for t in [p.detach() for p in params] + [v for state in opt.state.values() for v in state.values()]:
+                everyone = [torch.empty_like(t) for _ in range(world_size)]
+                dist.all_gather(everyone, t.contiguous())
                 assert all(torch.equal(everyone[0], other) for other in everyone[1:])
-            # The state_dict is complete on every rank: a momentum buffer for every parameter.
-            assert len(opt.state_dict()["state"]) == n_matrices
+            # The state_dict is complete on every rank: a momentum buffer (and NorMuon's second moment) for every
+            # parameter.
+            kinds = {"momentum_buffer", "second_moment"} if normuon_beta2 else {"momentum_buffer"}
+            state = opt.state_dict()["state"]
+            assert len(state) == n_matrices and all(set(v) == kinds for v in state.values())
     finally:
         dist.destroy_process_group()
     # torch 2.13 + gloo: interpreter teardown after destroy_process_group sometimes aborts ("terminate called
@@ -166,18 +163,13 @@ def gloo_worker(rank, world_size, port, cases):
     os._exit(0)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_sharded_steps_match_single_process_and_agree_across_ranks(world_size):
+@pytest.mark.parametrize("world_size, normuon_beta2", [(2, 0.0), (3, 0.0), (2, 0.95)])
+def test_sharded_steps_match_single_process_and_agree_across_ranks(world_size, normuon_beta2):
+    """Muon, and NorMuon (normalised after the exchange, on every rank): the same steps as one process."""
     # 7 matrices: more matrices than ranks; world_size - 1 matrices: a rank owns nothing.
-    cases = [(n, reference_snapshots(n)) for n in (7, world_size - 1)]
-    mp.spawn(gloo_worker, args=(world_size, free_port(), cases), nprocs=world_size)
+    cases = [(n, reference_snapshots(n, normuon_beta2)) for n in (7, world_size - 1)]
+    mp.spawn(gloo_worker, args=(world_size, free_port(), normuon_beta2, cases), nprocs=world_size)
 
 
 def test_assignment_is_balanced_for_any_world_size():
