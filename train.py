@@ -281,7 +281,7 @@ def train(run):
     log, state = Logger(run, clock), LoopState()
     guard = Guard(run.raw_model, run.optimizers, run.device, run.say)
     ema = TailEMA(run.raw_model, run.hp.tail_ema, run.hp.tail_ema_horizon)
-    loss_sum = torch.zeros((), device=run.device)
+    loss_sum = torch.zeros(2, device=run.device)  # since the last host sync: the steps' losses, the steps that count
     gc.collect()
     gc.disable()  # a collection pause on one rank stalls all of them
     t0 = time.perf_counter()  # the clock starts right before the first forward pass, on every rank together
@@ -309,14 +309,14 @@ def host_sync(run, clock, log, state, guard, ema, loss_sum, elapsed, amp):
     stats = torch.tensor(
         [elapsed, state.paused, state.val_token_s, float(bool(run.stop_signal)), data_rank], device=run.device
     )
-    mean_loss = loss_sum / max(state.step - clock.prev_step, 1)
+    totals = loss_sum.clone()
     if run.world > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        dist.all_reduce(mean_loss)  # a sum: gloo before torch 2.7 has no ReduceOp.AVG
-        mean_loss /= run.world
+        dist.all_reduce(totals)  # sums: the row is the mean over every rank's counted steps
     elapsed, paused_all, val_token_s_all, signalled, data_rank = stats.tolist()
-    if state.step > clock.prev_step:
-        loss = mean_loss.item()
+    loss_total, counted = totals.tolist()
+    if counted > 0:  # 0 only when every rank's batches since the last sync were stand-ins: the data stop below
+        loss = loss_total / counted
         if math.isfinite(loss):
             log.row(state.step, state.tokens, elapsed, state.lr_frac, loss)
         if why := guard.diverged(loss):
@@ -353,8 +353,8 @@ def host_sync(run, clock, log, state, guard, ema, loss_sum, elapsed, amp):
 
 
 def optimizer_step(run, clock, state, guard, amp):
-    """One optimizer step at the clock's progress and accumulation: its mean loss, or None when it stopped between
-    micro-steps (its gradients dropped; state.stop_reason says why)."""
+    """One optimizer step at the clock's progress and accumulation: accumulate's (loss, count), or None when it stopped
+    between micro-steps (its gradients dropped; state.stop_reason says why)."""
     done, accum = clock.begin_step(state.step)
     step_tokens = run.world * run.plan.micro_batch * run.hp.seq_len * accum
     state.lr_frac, momentum = schedule(done, run.hp)
@@ -391,9 +391,10 @@ STOP_CHECK_S = 5.0
 
 
 def accumulate(run, accum, amp, loss_fn, check_stop=False):
-    """Forward and backward of one optimizer step's micro-batches under loss_fn (step_loss_fn); the mean loss, as a
-    tensor (no host sync), or None when check_stop found a stop signal between micro-steps (agreed across ranks)."""
-    step_loss = torch.zeros((), device=run.device)
+    """Forward and backward of one optimizer step's micro-batches under loss_fn (step_loss_fn): (the mean loss, the
+    share of the step's batches that count), one tensor (no host sync), or None when check_stop found a stop signal
+    between micro-steps (agreed across ranks). A stand-in batch (next_batch: weight 0) counts in neither."""
+    step_loss = torch.zeros(2, device=run.device)
     for micro in range(accum):
         if check_stop and micro and stop_agreed(run):
             return None
@@ -403,7 +404,7 @@ def accumulate(run, accum, amp, loss_fn, check_stop=False):
             with amp:
                 _, loss = run.model(x, y, loss_fn=loss_fn)
             (loss * (weight / accum)).backward()
-        step_loss += loss.detach() / accum
+        step_loss += torch.stack([loss.detach().float(), loss.new_ones((), dtype=torch.float32)]) * (weight / accum)
     return step_loss
 
 
@@ -437,7 +438,8 @@ def first_compiled_step(run, accum, amp, loss_fn):
     does the rest of the run, whose step time the clock measures from step 1 on. Backward graphs are compiled in the
     first forward (launch.py), so a failure comes before DDP's reducer expects a backward. Then every rank learns
     which ranks fell back (one all-reduce; the reason travels only on failure), since all ranks wait for an eager
-    one: one line names them. Returns (mean loss, the ranks that run eagerly, the first one's reason)."""
+    one: one line names them. Returns (accumulate's loss and count, the ranks that run eagerly, the first one's
+    reason)."""
     why = None
     try:
         step_loss = accumulate(run, accum, amp, loss_fn)

@@ -11,6 +11,7 @@ import config
 from conftest import TINY
 from model import FIRST_KEYS, GPTConfig, get_model
 from tailema import TailEMA
+from windows import DataChanged
 
 # ----------------------------------------------------------------------------- boolean flags
 
@@ -283,7 +284,7 @@ def test_each_metrics_row_is_the_mean_of_its_steps_through_replans_rollbacks_and
     )
     run.plan, run.raw_model = types.SimpleNamespace(micro_batch=2), model
     clock = Clock(60.0, 400, 1, 0.35, may_replan=True, planned_step_s=1.0)
-    log, state, loss_sum, elapsed, losses, syncs = RowLog(), train.LoopState(), torch.zeros(()), 0.0, [], []
+    log, state, loss_sum, elapsed, losses, syncs = RowLog(), train.LoopState(), torch.zeros(2), 0.0, [], []
     while True:
         if clock.due(state.step):
             syncs.append(state.step)
@@ -292,7 +293,7 @@ def test_each_metrics_row_is_the_mean_of_its_steps_through_replans_rollbacks_and
         _, accum = clock.begin_step(state.step)
         loss = float("nan") if state.step in (40, 90, 150) else 3.0 + (state.step * 7919 % 13) / 10
         losses.append(loss)
-        loss_sum += loss
+        loss_sum += torch.tensor([loss, 1.0])  # accumulate's (loss, count)
         elapsed += 0.05 * accum * (1 + (state.step % 5 == 0))  # uneven steps: syncs of one step and of many
         state.step += 1
     assert sum("replan" in note for note in clock.notes) >= 2  # the cap made the clock replan (up, then down)
@@ -303,6 +304,39 @@ def test_each_metrics_row_is_the_mean_of_its_steps_through_replans_rollbacks_and
         assert abs(loss - sum(losses[start:step]) / (step - start)) < 1e-5, (start, step)
     written = {step for step, _ in log.rows}
     assert [s for s in syncs[1:] if s not in written] == [next(s for s in syncs if s > n) for n in (40, 90, 150)]
+
+
+class GoneAfterOne:
+    """A loader whose rank's data goes away after its first batch."""
+
+    def __init__(self, batch):
+        self.batches = [batch]
+
+    def __next__(self):
+        if not self.batches:
+            raise DataChanged("every file of this rank changed")
+        return self.batches.pop()
+
+
+def test_a_stand_in_batch_counts_in_neither_the_step_loss_nor_the_row(monkeypatch):
+    """A rank whose data is gone mid-step trains on a zero-weight stand-in (inputs = targets = 0) until the next host
+    sync: its loss (~ln V at these weights) must not reach the row, which is the mean over the batches that count."""
+    import contextlib
+    import train
+    from headloss import head_loss
+
+    torch.manual_seed(0)
+    model = get_model({**SHAPE, "n_layer": 1})
+    x = torch.randint(3, SHAPE["vocab_size"], (2, 16))
+    real = model(x, x.roll(-1, 1), loss_fn=head_loss)[1].item()
+    monkeypatch.setattr(model, "no_sync", contextlib.nullcontext, raising=False)  # DDP's, as world 2 calls it
+    run = types.SimpleNamespace(
+        model=model, world=2, rank=1, data_gone=None, loader=GoneAfterOne((x, x.roll(-1, 1))), device=x.device
+    )
+    run.plan, run.hp = types.SimpleNamespace(micro_batch=2), types.SimpleNamespace(seq_len=16)
+    loss, counted = train.accumulate(run, 2, contextlib.nullcontext(), head_loss).tolist()
+    assert run.data_gone and counted == 0.5  # the second micro-batch was the stand-in
+    assert abs(loss / counted - real) < 1e-5, (loss / counted, real)
 
 
 def loader_against_serial_reading(seq_len, batches, pause_s):
