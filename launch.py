@@ -6,10 +6,8 @@ Ranks agree before anything is written: every check that can differ per rank is 
 """
 
 import dataclasses
-import math
+import json
 import os
-import subprocess
-import time
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +31,7 @@ from plan import (
     make_plan,
 )
 from checkpoint import Checkpointer, check_room
+from deadline import budget_until, training_deadline
 from kernels import agreed_attention, choose_attention, point_triton_at_ptxas, triton_version
 from paths import check_outputs, lock_outputs, training_twin
 from report import MetricsFile
@@ -170,44 +169,6 @@ def resolve(hp, world):
     }  # the rest (shape, micro-batch, tokens per step, accumulation, peak rate, memory): None, the plan decides
     given = dataclasses.asdict(hp)
     return dataclasses.replace(hp, **{k: meaning.get(k) if v == "auto" else v for k, v in given.items()})
-
-
-def slurm_end_time(say=print):
-    """The SLURM job's end (unix seconds), or None outside SLURM or when it cannot be read (said)."""
-    if "SLURM_JOB_END_TIME" in os.environ:
-        try:
-            end = float(os.environ["SLURM_JOB_END_TIME"])
-        except ValueError:
-            end = math.nan
-        if not math.isfinite(end):
-            say(f"warning: SLURM_JOB_END_TIME={os.environ['SLURM_JOB_END_TIME']!r} is not a time; no SLURM deadline")
-            return None
-        return end
-    if "SLURM_JOB_ID" not in os.environ:
-        return None
-    try:
-        out = subprocess.run(
-            ["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%e"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
-
-
-def training_deadline(hp, rank, device, world, say):
-    """The unix time training ends by: --slurm_reserve_s before the SLURM job's end (inf outside SLURM), read once by
-    rank 0 and broadcast, so that every rank derives its budget from one absolute time."""
-    end = slurm_end_time(say) if rank == 0 else None
-    deadline = math.inf if end is None else end - hp.slurm_reserve_s
-    agreed = torch.tensor([deadline], dtype=torch.float64, device=device)
-    if world > 1:
-        dist.broadcast(agreed, src=0)
-    return agreed.item()
-
-
-def budget_until(deadline, hp):
-    """Seconds of training from now: --time_limit_min, or less when the deadline comes first (at least one)."""
-    return max(min(hp.time_limit_min * 60.0, deadline - time.time()), 1.0)
 
 
 def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s, say):
@@ -425,18 +386,12 @@ class EagerRuns:
         return call
 
 
-def agreed_budget(run):
-    """The clock's budget, taken right before it starts: the work before it (checks, plan, model, step-0 save, warm
-    collectives: tens of seconds at the event) comes out of the time to the deadline, never out of the reserve the
-    final save needs. The smallest over ranks."""
-    budget = torch.tensor([budget_until(run.deadline, run.hp)], dtype=torch.float64, device=run.device)
-    if run.world > 1:
-        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
-    budget_s = budget.item()
-    if budget_s < run.hp.time_limit_min * 60.0:
-        run.say(
-            f"budget: {budget_s:.0f} s, not {run.hp.time_limit_min:g} min: the SLURM job ends in "
-            f"{run.deadline + run.hp.slurm_reserve_s - time.time():.0f} s and the final save and exit keep "
-            f"{run.hp.slurm_reserve_s:g} s"
-        )
-    return budget_s
+def dry_run(hp, model_switches, say):
+    """The plan, printed: for this machine, or with --peak_tflops for a device that is not here."""
+    hp = resolve(hp, int(os.environ.get("WORLD_SIZE", 1)))
+    try:
+        plan = build_plan(hp, model_switches, torch.device(hp.device), hp.world_size, hp.time_limit_min * 60, say)
+    except ValueError as e:
+        fail(f"error: {e}")
+    say(plan.line())
+    say(json.dumps(dataclasses.asdict(plan)))

@@ -1,6 +1,6 @@
 """The ranks before the clock: the torch this runs on, each rank's place and device, the process group, ranks that
 leave together, and the collectives the loop uses, warmed. launch.py calls these in order; train.py's ranks exit
-through fail.
+through fail, and stop on any of STOP_SIGNALS (and when their launcher dies: stop_with_the_launcher).
 
 A check that can differ per rank (a node's staged data, a path, a file only one rank cannot read) is followed by
 leave_together, so one rank's error stops every rank at once, said once with the rank's number, instead of hanging a
@@ -11,6 +11,7 @@ import ctypes
 import datetime
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -211,6 +212,11 @@ def lost_contact(error):
     )
 
 
+def why(error):
+    """The first line of a collective's error, for a one-sentence message."""
+    return str(error).splitlines()[0][:200]
+
+
 def fail(message, code=2):
     print(message, file=sys.stderr, flush=True)
     sys.exit(code)
@@ -232,3 +238,27 @@ def warm_collectives(device):
     for dtype in (torch.float32, torch.bfloat16):  # Muon's exchange
         all_gather_flat(torch.empty(world, device=device, dtype=dtype), torch.ones(1, device=device, dtype=dtype))
     dist.barrier()
+
+
+# every way a job is told to stop: preemption and torchrun (TERM), Ctrl-C (INT), a dropped ssh session (HUP),
+# `sbatch --signal` (USR1, USR2), a quit key (QUIT), a CPU-time limit (XCPU)
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU")
+
+
+def stop_with_the_launcher(parent=None):
+    """Under torchrun, a worker is sent SIGTERM when its launcher dies: torchrun forwards TERM, INT, HUP and QUIT,
+    but a signal it does not handle (USR1 from `sbatch --signal`) kills it outright and would orphan the worker.
+    parent: the launcher's pid as first seen (default: now). A launcher that died before prctl took effect shows as
+    a changed parent; a parent of pid 1 is not a dead one, since torchrun is pid 1 as a container's entrypoint."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid() if parent is None else parent
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the launcher's own forwarding is all there is
+        return
+    if os.getppid() != parent:  # the launcher died between the first look and prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -12,11 +12,9 @@ at the last step, which is re-planned from the measured step time at every host 
 warmup, stable and decay all happen and the last step runs at the floor LR.
 """
 
-import ctypes
 import dataclasses
 import functools
 import gc
-import json
 import math
 import os
 import signal
@@ -34,41 +32,17 @@ from checkpoint import CheckpointError
 from clock import Clock
 from rollback import Guard
 from tailema import TailEMA
-from plan import MIN_TOKENS_PER_STEP
 from windows import DataChanged
 from headloss import head_loss
-from launch import agreed_budget, build_plan, launch, resolve
-from ranks import fail, failing_ranks, lost_contact, rank_span
+from deadline import agreed_budget
+from launch import dry_run, launch
+from ranks import STOP_SIGNALS, fail, failing_ranks, lost_contact, rank_span, stop_with_the_launcher, why
+from schedule import batch_lr_scale, mtp_weights, schedule, set_lrs
 from streams import guard_log_streams
 from report import Logger, close_metrics, human_summary, process_age_s, summary_row
 
 
-# ----------------------------------------------------------------------------- schedule
-
-
-def schedule(progress_frac, hp):
-    """(lr_frac, muon momentum) at progress in [0, 1]: warmup, stable, linear decay to the floor."""
-    p = min(max(progress_frac, 0.0), 1.0)
-    floor = hp.min_lr_frac
-    if hp.warmup_frac > 0 and p < hp.warmup_frac:
-        lr_frac = p / hp.warmup_frac
-    elif hp.schedule == "cosine":
-        lr_frac = floor + (1.0 - floor) * 0.5 * (1 + math.cos(math.pi * (p - hp.warmup_frac) / (1 - hp.warmup_frac)))
-    elif p < 1.0 - hp.decay_frac:
-        lr_frac = 1.0
-    else:
-        lr_frac = floor + (1.0 - floor) * (1.0 - p) / hp.decay_frac
-    warm = min(p / hp.momentum_warmup_frac, 1.0) if hp.momentum_warmup_frac > 0 else 1.0
-    momentum = hp.muon_momentum_start + warm * (hp.muon_momentum - hp.muon_momentum_start)
-    return min(lr_frac, 1.0), momentum
-
-
-def mtp_weights(progress_frac):
-    """--mtp's weights of the next 1, 2 and 3 tokens at progress (mnGPT's, keyed there to steps / scheduled steps):
-    the third fades 0.25 -> 0 over the first 1/12, the second 0.5 -> 0 over the next 1/12, then the next token
-    alone. Always three: a zero weight keeps the compiled graphs' shapes."""
-    twelfths = 12 * min(max(progress_frac, 0.0), 1.0)
-    return [1.0, 0.5 * min(max(2.0 - twelfths, 0.0), 1.0), 0.25 * max(1.0 - twelfths, 0.0)]
+# ----------------------------------------------------------------------------- the step's loss
 
 
 def step_loss_fn(run, progress_frac):
@@ -81,11 +55,6 @@ def step_loss_fn(run, progress_frac):
 
 
 # ----------------------------------------------------------------------------- main
-
-
-# every way a job is told to stop: preemption and torchrun (TERM), Ctrl-C (INT), a dropped ssh session (HUP),
-# `sbatch --signal` (USR1, USR2), a quit key (QUIT), a CPU-time limit (XCPU)
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU")
 
 
 def main(argv=None):
@@ -146,45 +115,10 @@ def main(argv=None):
         sys.exit(code)
 
 
-def why(error):
-    """The first line of a collective's error, for a one-sentence message."""
-    return str(error).splitlines()[0][:200]
-
-
-def stop_with_the_launcher(parent=None):
-    """Under torchrun, a worker is sent SIGTERM when its launcher dies: torchrun forwards TERM, INT, HUP and QUIT,
-    but a signal it does not handle (USR1 from `sbatch --signal`) kills it outright and would orphan the worker.
-    parent: the launcher's pid as first seen (default: now). A launcher that died before prctl took effect shows as
-    a changed parent; a parent of pid 1 is not a dead one, since torchrun is pid 1 as a container's entrypoint."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    parent = os.getppid() if parent is None else parent
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the launcher's own forwarding is all there is
-        return
-    if os.getppid() != parent:  # the launcher died between the first look and prctl
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 def print_on_rank0(message):
     if int(os.environ.get("RANK", 0)) == 0:
         tqdm.write(message, file=sys.stdout)  # above the progress bar, not on its line
         sys.stdout.flush()
-
-
-def dry_run(hp, model_switches, say):
-    """The plan, printed: for this machine, or with --peak_tflops for a device that is not here."""
-    hp = resolve(hp, int(os.environ.get("WORLD_SIZE", 1)))
-    try:
-        plan = build_plan(hp, model_switches, torch.device(hp.device), hp.world_size, hp.time_limit_min * 60, say)
-    except ValueError as e:
-        fail(f"error: {e}")
-    say(plan.line())
-    say(json.dumps(dataclasses.asdict(plan)))
 
 
 @torch.no_grad()
@@ -206,27 +140,6 @@ def evaluate(model, batches, device, amp):
     if dist.is_initialized():
         dist.all_reduce(stats)
     return (stats[0] / stats[1].clamp(min=1)).item()
-
-
-def batch_lr_scale(step_tokens, hp, kind, muon=False):
-    """The LR multiplier of a step of step_tokens for an AdamW group (or with muon=True a Muon group): 1, or with
-    --lr_rule sqrt the square-root rule for adaptive optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules
-    for Adaptive Gradient Algorithms") against the recipe's minimum batch, never below 1; sqrt_adam leaves Muon's."""
-    if hp.lr_rule == "none" or (muon and hp.lr_rule == "sqrt_adam"):
-        return 1.0
-    return math.sqrt(max(step_tokens / MIN_TOKENS_PER_STEP[kind], 1.0))
-
-
-def set_lrs(optimizers, hp, lr_frac, momentum, step_tokens, kind, after_rollbacks=lambda factor: factor):
-    """Each group's LR for this step (its base LR x the schedule x its batch rule, as the rollbacks so far left it)
-    and Muon's momentum; Muon's groups are the ones with a momentum."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            muon = "momentum" in group
-            factor = after_rollbacks(batch_lr_scale(step_tokens, hp, kind, muon))
-            group["lr"] = group["base_lr"] * lr_frac * factor
-            if muon:
-                group["momentum"] = momentum
 
 
 # ----------------------------------------------------------------------------- the loop

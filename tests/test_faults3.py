@@ -640,14 +640,14 @@ def test_synth_on_a_full_disk_leaves_no_partial_chunk(tmp_path, capsys):
 
 @pytest.mark.parametrize("value", ["soon", "", "nan", "inf", "2025-01-01T10:00:00"])
 def test_a_slurm_end_time_that_is_not_a_time_is_one_warning_and_no_deadline(monkeypatch, value):
-    import launch
+    import deadline
 
     monkeypatch.setenv("SLURM_JOB_END_TIME", value)
     said = []
-    assert launch.slurm_end_time(said.append) is None
+    assert deadline.slurm_end_time(said.append) is None
     assert len(said) == 1 and "is not a time; no SLURM deadline" in said[0]
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(time.time() + 300))
-    assert launch.slurm_end_time(said.append) > time.time() and len(said) == 1
+    assert deadline.slurm_end_time(said.append) > time.time() and len(said) == 1
 
 
 def test_plot_out_without_a_suffix_writes_and_reports_that_name(tmp_path, capsys):

@@ -25,14 +25,14 @@ class FakeLibc:
 
 @pytest.mark.parametrize("before, after, killed", [(1, 1, False), (4321, 4321, False), (4321, 1, True)])
 def test_a_parent_of_pid_1_is_a_launcher_not_a_dead_one(monkeypatch, before, after, killed):
-    import train
+    import ranks
 
     sent = []
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    monkeypatch.setattr(train.ctypes, "CDLL", lambda name: FakeLibc())
-    monkeypatch.setattr(train.os, "getppid", lambda: after)
-    monkeypatch.setattr(train.os, "kill", lambda pid, sig: sent.append(sig))
-    train.stop_with_the_launcher(before)
+    monkeypatch.setattr(ranks.ctypes, "CDLL", lambda name: FakeLibc())
+    monkeypatch.setattr(ranks.os, "getppid", lambda: after)
+    monkeypatch.setattr(ranks.os, "kill", lambda pid, sig: sent.append(sig))
+    ranks.stop_with_the_launcher(before)
     assert sent == ([signal.SIGTERM] if killed else [])
 
 
