@@ -169,10 +169,10 @@ class Hyperparameters:
         choices=("quintic", "polar_express"),
     )
     # NorMuon: Li et al. 2025 (arXiv:2510.05491); mnGPT short track #41 (-0.8 s; with #42's LR fix -2.7 s), medium #18
-    # (16 x 1024, beta2 0.95). Here: -0.021 at 40 steps, -0.022 at 100 (3 seeds each, all better, one seed within 0.02
-    # each time: a tie by the rule; BENCHMARKS.md). Off until a combined run decides
+    # (16 x 1024, beta2 0.95). Here: -0.022 at 100 steps (-0.025/-0.016/-0.026, all better, one within 0.02: a tie by
+    # the rule, which the same-shape record decides); at 5 minutes: BENCHMARKS.md, "Issue 45". Adopted
     normuon_beta2: float = flag(
-        0.0,
+        0.95,
         "NorMuon: each neuron's Muon update divided by the root of an EMA of its mean square with this beta2, the "
         "update's norm kept (0: off, plain Muon; 0.95: the record's)",
         at_least=0.0,
@@ -185,8 +185,8 @@ class Hyperparameters:
     momentum_warmup_frac: float = flag(0.15, "fraction of the run over which Muon momentum warms up", **FRACTION)
     # multi-token prediction, [1, 0.5, 0.25 -> 0] over the first 1/12 of the steps, [1, 0.5 -> 0] to 1/6, then the
     # next token alone: mnGPT short track #53 (2025-12-22, with the late untie: -80 of ~1,845 steps), medium track
-    # since #188. Here at l4w128: +0.049/+0.068/+0.067 at 40 steps (worse on 3/3 seeds), +0.142 at 120; step time
-    # unchanged (BENCHMARKS.md, "Multi-token prediction"): off
+    # since #188. Here at l4w128: +0.099/+0.124/+0.124 at 100 steps (worse on 3/3 seeds, beyond the noise); step time
+    # unchanged (BENCHMARKS.md, "Issue 45"): off
     mtp: bool = flag(
         False,
         "multi-token prediction early in the run: the head's logits also scored against the 2nd and 3rd next tokens, "

@@ -3,6 +3,7 @@
     python bench/lr_sweep.py --sweep record              # today's default vs each of the record's settings, 3 seeds
     python bench/lr_sweep.py --sweep batch               # sqrt LR rule: all groups / Adam only / none, 4x batch
     python bench/lr_sweep.py --sweep width --seeds 1     # Muon LR x0.25-x2, embedding LR x0.5 / x2, widths 64-384
+    python bench/lr_sweep.py --sweep near_free           # issue 45: MTP, NorMuon, the tail EMA, each and together
     python bench/lr_sweep.py --sweep record --lanes 2 --steps 100 --out runs/lr_sweep
 
 Every run is one train.py on the bench corpus (../shared/bench/setup.sh builds it) with --progress_by steps and a
@@ -36,6 +37,13 @@ RECORD = {  # modded-nanogpt's medium track (16 x 1024, the event's shape), each
     "floor_0.15": "--min_lr_frac 0.15",
     "polar_express": "--ns_coeffs polar_express",
 }
+NEAR_FREE = {  # the record's loss and optimizer items of issue 45, each against the default with them off
+    "default": "--mtp false --normuon_beta2 0 --tail_ema 0",
+    "mtp": "--mtp --normuon_beta2 0 --tail_ema 0",
+    "normuon": "--mtp false --normuon_beta2 0.95 --tail_ema 0",
+    "tail_ema": "--mtp false --normuon_beta2 0 --tail_ema 0.6",
+    "all_three": "--mtp --normuon_beta2 0.95 --tail_ema 0.6",
+}
 
 
 def sweeps(args):
@@ -55,12 +63,14 @@ def sweeps(args):
     record = {name: f"{shape(128)} {flags}" for name, flags in RECORD.items()}
     record["all_record"] = f"{shape(128)} {' '.join(RECORD.values())}"
     combined = {"default": shape(128), "chosen": f"{shape(128)} {args.chosen}"}
+    near_free = {name: f"{shape(128)} {flags}" for name, flags in NEAR_FREE.items()}
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     return {
         "width": {k: (v, seeds) for k, v in width_lr.items()},
         "batch": {k: (v, seeds) for k, v in batch.items()},
         "record": {k: (v, seeds) for k, v in record.items()},
         "combined": {k: (v, seeds) for k, v in combined.items()},
+        "near_free": {k: (v, seeds) for k, v in near_free.items()},
     }
 
 
@@ -91,6 +101,7 @@ def run(name, flags, seed, args, out):
         "val_loss": summary["val_loss"],
         "steps": summary["steps"],
         "tokens": summary["tokens"],
+        "train_s": summary["train_s"],
         "wall_s": round(time.time() - started, 1),
     }
 
@@ -122,7 +133,7 @@ def table(results):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", required=True, choices=("width", "batch", "record", "combined"))
+    parser.add_argument("--sweep", required=True, choices=("width", "batch", "record", "combined", "near_free"))
     parser.add_argument("--variants", default="all", help="comma list of the sweep's variants")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps at the minimum batch (4x batch: /4)")
     parser.add_argument("--seeds", type=int, default=3)
