@@ -190,7 +190,7 @@ class Hyperparameters:
     mtp: bool = flag(
         False,
         "multi-token prediction early in the run: the head's logits also scored against the 2nd and 3rd next tokens, "
-        "their weights fading to 0 by 1/6 of the run (train.mtp_weights); validation stays next-token",
+        "their weights fading to 0 by 1/6 of the run (schedule.mtp_weights); validation stays next-token",
     )
     # --- device and runtime ---
     device: str = flag("auto", "auto (CUDA if present), cpu or cuda", choices=("auto", "cpu", "cuda"))
