@@ -103,11 +103,12 @@ def test_off_is_plain_muon_exactly():
 
 
 def test_the_flag_reaches_the_muon_group():
-    assert config.Hyperparameters().normuon_beta2 == 0.0  # off until measured beyond noise
-    hp = config.Hyperparameters(normuon_beta2=0.95, device="cpu", compile=False, vocab_size=64, seq_len=16)
+    assert config.Hyperparameters().normuon_beta2 == 0.95  # the record's, adopted (BENCHMARKS.md, "Issue 45")
     plan = SimpleNamespace(n_layer=2, n_head=2, n_embd=32)
-    _, _, _, optimizers = launch.build_model(hp, plan, {}, torch.device("cpu"), 1, None)
-    assert [g["normuon_beta2"] for g in optimizers[0].param_groups] == [0.95]
+    for beta2 in (0.95, 0.0):  # the default, and plain Muon
+        hp = config.Hyperparameters(normuon_beta2=beta2, device="cpu", compile=False, vocab_size=64, seq_len=16)
+        _, _, _, optimizers = launch.build_model(hp, plan, {}, torch.device("cpu"), 1, None)
+        assert [g["normuon_beta2"] for g in optimizers[0].param_groups] == [beta2]
     model = nn.Sequential(nn.Linear(4, 4))
     assert (
         build_optimizers(model, muon_lr=0.02, embed_lr=0.1, head_lr=0.1, scalar_lr=0.1)[0].defaults["normuon_beta2"]
