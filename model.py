@@ -115,10 +115,25 @@ class SparseAfterFirst(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         idx, weight = ctx.saved_tensors
-        backward = torch.ops.aten.embedding_dense_backward
-        if weight.grad is not None and not weight.grad.is_sparse:
-            backward = torch.ops.aten.embedding_sparse_backward
-        return None, backward(grad, idx, weight.size(0), -1, False)
+        if weight.grad is None or weight.grad.is_sparse:
+            return None, torch.ops.aten.embedding_dense_backward(grad, idx, weight.size(0), -1, False)
+        rows = looked_up_rows if grad.is_cuda else summed_rows  # torch.unique's size costs CUDA a host sync
+        return None, rows(grad, idx, weight.size(0))
+
+
+def looked_up_rows(grad, idx, n_rows):
+    """A lookup's sparse gradient, one row per token looked up: no host sync."""
+    return torch.ops.aten.embedding_sparse_backward(grad, idx, n_rows, -1, False)
+
+
+def summed_rows(grad, idx, n_rows):
+    """A lookup's sparse gradient, each row's gradients summed first in the dense gradient's order: added into a dense
+    .grad, the sums another rank's dense gradient holds, so one process accumulating matches any world size exactly."""
+    rows, where = torch.unique(idx, return_inverse=True)
+    values = grad.new_zeros(rows.numel(), grad.size(-1))
+    values.index_add_(0, where.flatten(), grad.reshape(-1, grad.size(-1)))
+    shape = (n_rows, grad.size(-1))
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
 
 
 def lookup(table, idx):

@@ -65,7 +65,9 @@ def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, coeffs: str = "q
         A = X @ X.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A A in one kernel: at small widths the
         X = torch.baddbmm(X, B, X, beta=a)  # elementwise passes cost a third of the iteration
-    return (X.mT if tall else X).reshape(G.shape)
+    # row-major on every path: the exchange hands every rank flat copies, so one process must reduce NorMuon's row
+    # norms over the same layout to match any world size bit for bit
+    return (X.mT if tall else X).contiguous().reshape(G.shape)
 
 
 def _newtonschulz_flops(shape: torch.Size) -> int:
