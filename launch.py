@@ -76,6 +76,20 @@ class Run:
     data_gone: str | None = None  # this rank's DataChanged, carried to every rank by the next host sync
 
 
+def save_step_zero(checkpointer, raw_model, config, rank, device, world):
+    """Rank 0 starts the step-0 checkpoint, written while the clock runs (checked_inputs made sure it fits; every
+    later save waits for it); a save that cannot start ends every rank together, before the clock."""
+    error = None
+    if rank == 0:
+        try:
+            checkpointer.save(
+                raw_model, {"config": config, "step": 0, "tokens": 0, "weights": "plain"}, background=True
+            )
+        except Exception as e:
+            error = sentence(e)
+    leave_together(error, device, world, rank)
+
+
 def launch(hp, model_switches, stop_signal, say):
     """Everything before the clock, in order: process group, checks, plan, model, step-0 save, warm collectives."""
     if problem := torch_problem(torch.__version__):
@@ -101,15 +115,7 @@ def launch(hp, model_switches, stop_signal, say):
     raw_model, model, loss_fn, optimizers = build_model(hp, plan, model_switches, device, world, eager_runs)
     config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(raw_model.config)}
     checkpointer = Checkpointer(hp.checkpoint_path)
-    error = None
-    if rank == 0:  # written while the clock runs (checked_inputs made sure it fits); every later save waits for it
-        try:
-            checkpointer.save(
-                raw_model, {"config": config, "step": 0, "tokens": 0, "weights": "plain"}, background=True
-            )
-        except Exception as e:
-            error = sentence(e)
-    leave_together(error, device, world, rank)
+    save_step_zero(checkpointer, raw_model, config, rank, device, world)
     say(versions(device, attention.label))
     say(f"plan: {plan.line()}")
     say(

@@ -103,9 +103,7 @@ def bigram_hash(idx, rows):
 
 
 class SparseAfterFirst(torch.autograd.Function):
-    """F.embedding whose backward gives a dense gradient while the table has no .grad, and the looked-up rows as a
-    sparse one once it has (decided at backward, so code that zeroes .grad between forward and backward stays dense):
-    autograd then adds those rows into the dense .grad in place."""
+    """F.embedding whose backward is dense while the table has no .grad and sparse once it has (lookup)."""
 
     @staticmethod
     def forward(ctx, idx, weight):
@@ -122,25 +120,23 @@ class SparseAfterFirst(torch.autograd.Function):
 
 
 def looked_up_rows(grad, idx, n_rows):
-    """A lookup's sparse gradient, one row per token looked up: no host sync."""
     return torch.ops.aten.embedding_sparse_backward(grad, idx, n_rows, -1, False)
 
 
 def summed_rows(grad, idx, n_rows):
-    """A lookup's sparse gradient, each row's gradients summed first in the dense gradient's order: added into a dense
-    .grad, the sums another rank's dense gradient holds, so one process accumulating matches any world size exactly."""
+    """Each row's gradients summed first, in the dense backward's order, then added once: the sums a dense gradient
+    holds, so one process accumulating micro-steps matches any number of ranks bit for bit."""
     rows, where = torch.unique(idx, return_inverse=True)
-    values = grad.new_zeros(rows.numel(), grad.size(-1))
-    values.index_add_(0, where.flatten(), grad.reshape(-1, grad.size(-1)))
+    values = grad.new_zeros(rows.numel(), grad.size(-1)).index_add_(0, where.flatten(), grad.flatten(0, -2))
     shape = (n_rows, grad.size(-1))
     return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
 
 
 def lookup(table, idx):
-    """table(idx). After a micro-step's backward has left a dense .grad on the table, the next micro-steps' backward
-    adds just the rows looked up into it, where a dense lookup gradient zero-fills a table-sized tensor and adds all
-    of it (2.6 GB a micro-step for the bigram table at the event; BENCHMARKS.md, "Per-step memory work"). The first
-    stays dense, as DDP's buckets and fused AdamW need; compiled graphs keep the dense form (no sparse tensors)."""
+    """table(idx). Once a micro-step's backward has left a dense .grad on the table, later micro-steps add only the
+    rows looked up into it (a dense lookup gradient zero-fills and adds the whole table: 2.6 GB a micro-step for the
+    bigram table at the event). Decided at backward, so a loop that zeroes .grad before backward stays dense; the
+    first micro-step is dense, as DDP's buckets and fused AdamW need; compiled graphs keep plain F.embedding."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return F.embedding(idx, table.weight)
     return SparseAfterFirst.apply(idx, table.weight)
