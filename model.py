@@ -96,10 +96,29 @@ GATE_DIM = 12  # the gates read the first dims of their input (mnGPT: 12 on the 
 
 def bigram_hash(idx, rows):
     """Row of each (previous, current) token pair in a table of `rows`; a window's first position, whose previous
-    token is not in the window, gets the last row. Multiply-xor (mnGPT's constants) spreads pairs over the rows."""
+    token is not in the window, gets the last row. Multiply-xor (mnGPT's constants) spreads pairs over the rows;
+    the pairs are written into the filled rows in place (one kernel fewer than a concatenation)."""
     idx = idx.long()
-    pairs = torch.bitwise_xor(36313 * idx[:, 1:], 27191 * idx[:, :-1]) % (rows - 1)
-    return torch.cat([idx.new_full((idx.size(0), 1), rows - 1), pairs], dim=1)
+    out = idx.new_full(idx.shape, rows - 1)
+    torch.remainder(torch.bitwise_xor(36313 * idx[:, 1:], 27191 * idx[:, :-1]), rows - 1, out=out[:, 1:])
+    return out
+
+
+class ScaledAdd(torch.autograd.Function):
+    """x + w * s for a 0-d weight w: the eager glue between compiled blocks, where every op is a kernel launch.
+    Forward is one addcmul; backward two ops (a dot product for w, a scale for s) where autograd's addcmul takes
+    five and a multiply-add three."""
+
+    @staticmethod
+    def forward(ctx, x, w, s):
+        ctx.save_for_backward(w, s)
+        return torch.addcmul(x, w, s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, s = ctx.saved_tensors
+        grad_w = torch.dot(grad.reshape(-1), s.reshape(-1).to(grad.dtype)).view_as(w) if w.requires_grad else None
+        return grad, grad_w, grad * w
 
 
 class SparseAfterFirst(torch.autograd.Function):
@@ -181,19 +200,26 @@ class Norm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE tables for whatever T arrives, recomputed per call (T x head_dim: negligible). No cached state,
-    so torch.compile sees the same guards on every call and compiles once. Shaped (T, 1, head_dim) for q and k
-    laid out (B, T, H, D), and full-width (cos twice, sin then -sin) so apply_rotary is one multiply-add."""
+    """RoPE tables for whatever T arrives, made once per length and device (11 small kernels a forward otherwise) and
+    kept outside the state_dict. The compiled blocks take them as inputs, so every call passes the same tensors.
+    Shaped (T, 1, head_dim) for q and k laid out (B, T, H, D), and full-width (cos twice, sin then -sin) so
+    apply_rotary is one multiply-add."""
 
     def __init__(self, head_dim, base):
         super().__init__()
         self.head_dim, self.base = head_dim, base
+        self.tables = {}
 
     def forward(self, T, device):
-        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim)
-        freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)[:, None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, -sin), dim=-1)
+        key = (T, str(device), torch.is_inference_mode_enabled())  # an inference tensor cannot be saved for backward
+        if key not in self.tables:
+            with torch.no_grad():
+                arange = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
+                inv_freq = self.base ** (-arange / self.head_dim)
+                freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)[:, None, :]
+                cos, sin = freqs.cos(), freqs.sin()
+                self.tables[key] = torch.cat((cos, cos), dim=-1), torch.cat((sin, -sin), dim=-1)
+        return self.tables[key]
 
 
 def apply_rotary(x, cos, sin):
@@ -365,7 +391,7 @@ class GPT(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if self.bigram is not None:
-            x = x + self.bigram_lambda * lookup(self.bigram, bigram_hash(idx, self.bigram.num_embeddings))
+            x = ScaledAdd.apply(x, self.bigram_lambda, lookup(self.bigram, bigram_hash(idx, self.bigram.num_embeddings)))
         if self.smear_gate is not None:  # position t also sees t-1's embedding, through a gate read at t
             smear = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :GATE_DIM]))
             x = torch.cat([x[:, :1], x[:, 1:] + smear * x[:, :-1]], dim=1)
@@ -374,9 +400,10 @@ class GPT(nn.Module):
         rope = self.rotary(T, idx.device) if self.rotary is not None else None
         ves = [lookup(ve, idx) for ve in self.value_embeds]
         L, skips, early = len(self.blocks), [], None
+        skip_weights = self.skip_weights.unbind() if self.n_skip else ()  # one backward op, not one per skip
         for i, block in enumerate(self.blocks):
             if i >= L - self.n_skip:
-                x = x + self.skip_weights[L - 1 - i] * skips.pop()
+                x = ScaledAdd.apply(x, skip_weights[L - 1 - i], skips.pop())
             ve = ves[self.ve_index[i]] if self.ve_index[i] is not None else None
             x = block(x, x0, ve, rope)
             if i < self.n_skip:
@@ -384,7 +411,7 @@ class GPT(nn.Module):
             if i == self.backout_layer:
                 early = x
         if early is not None:  # what early layers wrote for later context, not for this prediction
-            x = x - self.backout_lambda * early
+            x = ScaledAdd.apply(x, -self.backout_lambda, early)
         x = self.norm_f(x)
         head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
         if loss_fn is not None:

@@ -56,8 +56,8 @@ def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, coeffs: str = "q
     table = NS_COEFFS[coeffs]
     X = (G.bfloat16() if G.is_cuda else G.float()).reshape(-1, *G.shape[-2:])  # one batch dim, for baddbmm
     tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT  # iterate on the wide side so the Gram matrix X X^T is the small one
+    if tall:  # iterate on the wide side so the Gram matrix X X^T is the small one, in Muon.step's layout
+        X = X.mT.contiguous()
     # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1].
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * NS_SAFETY[coeffs] + 1e-7)
     for i in range(steps):
@@ -184,110 +184,162 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One step, its elementwise work grouped: a few foreach kernels over every matrix, and Newton-Schulz and
+        NorMuon on one stack per oriented shape (a tall matrix joins the wide ones of its transposed shape), so the
+        host dispatches ~100 ops a step however many matrices there are (BENCHMARKS.md, "The host's share")."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-
-        params, groups = [], []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])
-                params.append(p)
-                groups.append(group)
-        if not params:
+        work = [(p, gi) for gi, group in enumerate(self.param_groups) for p in group["params"] if p.grad is not None]
+        if not work:
             return loss
+        params = [p for p, _ in work]
+        for gi, group in enumerate(self.param_groups):
+            mine = [p for p, g in work if g == gi]
+            if mine:
+                bufs = [self._momentum_buffer(p) for p in mine]
+                torch._foreach_lerp_(bufs, [p.grad for p in mine], 1 - group["momentum"])
 
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
         owners = _assign_to_ranks([_newtonschulz_flops(p.shape) for p in params], world_size)
-
-        batches = defaultdict(list)  # same-shape matrices of this rank's share go through one batched call
-        for i in range(len(params)):
-            if owners[i] == rank:
-                batches[(params[i].shape, groups[i]["ns_steps"], groups[i]["ns_coeffs"])].append(i)
-        ortho = {}
-        for (_, steps, coeffs), idx in batches.items():
-            stacked = torch.stack([self._direction(params[i], groups[i]) for i in idx])
-            ortho.update(zip(idx, zeropower_via_newtonschulz(stacked, steps, coeffs)))
-
+        batches = stacked_batches(work)
+        stacks = self._orthogonalised(params, batches, owners, rank)
         if distributed:
-            ortho = self._exchange(params, owners, ortho, world_size, rank)
-        factors = self._normuon_factors(params, groups, ortho)
+            stacks = self._exchange(params, batches, owners, stacks, world_size, rank)
 
-        for i, (p, group) in enumerate(zip(params, groups)):
-            scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
-            update = ortho[i].view_as(p)
+        updates, decays = [None] * len(params), {}
+        for key, idx in batches.items():
+            group = self.param_groups[key[0]]
+            for i, update in zip(idx, self._scaled_updates(params, idx, group, stacks[key])):
+                updates[i] = update
+            decays.setdefault(key[0], []).extend(idx)
+        for gi, idx in decays.items():
+            group = self.param_groups[gi]
+            mine, mine_updates = [params[i] for i in idx], [updates[i] for i in idx]
             decay = group["lr"] * group["weight_decay"]
             if decay and group.get("cautious", False):
-                cautious_decay_(p, update, decay)  # the update's signs: NorMuon's factor below is >= 0
+                cautious_decay_all_(mine, mine_updates, decay)
             elif decay:
-                p.mul_(1 - decay)
-            if i in factors:
-                p.addcmul_(update, factors[i], value=-group["lr"] * scale)
-            else:
-                p.add_(update, alpha=-group["lr"] * scale)
+                torch._foreach_mul_(mine, 1 - decay)
+            torch._foreach_add_(mine, mine_updates)
         return loss
 
-    def _normuon_factors(self, params, groups, ortho):
-        """normuon_scale of every update in a NorMuon group, {index: factor}. On every rank after the exchange, so every
-        rank keeps every second moment; same-shape matrices in one batch: a few kernels a shape, where one matrix at a
-        time took ~14 small ones each (96 matrices at the event)."""
-        batches = defaultdict(list)
-        for i, (p, group) in enumerate(zip(params, groups)):
-            if group.get("normuon_beta2", 0.0):
-                batches[(p.shape, group["normuon_beta2"])].append(i)
-        factors = {}
-        for (shape, beta2), idx in batches.items():
-            reduced = -1 if shape[-2] >= shape[-1] else -2
-            for i in idx:
-                if "second_moment" not in self.state[params[i]]:
-                    moment_shape = (*shape[:-1], 1) if reduced == -1 else (*shape[:-2], 1, shape[-1])
-                    self.state[params[i]]["second_moment"] = params[i].new_zeros(moment_shape, dtype=torch.float32)
-            moments = [self.state[params[i]]["second_moment"] for i in idx]
-            row_norms = torch.stack(
-                [
-                    torch.linalg.vector_norm(ortho[i].view(shape), dim=reduced, keepdim=True, dtype=torch.float32)
-                    for i in idx
-                ]
-            )
-            stacked = torch.stack(moments)
-            factors.update(zip(idx, _normuon_factor(row_norms, stacked, beta2, shape[reduced]).unbind()))
-            torch._foreach_copy_(moments, list(stacked.unbind()))
-        return factors
+    def _momentum_buffer(self, p):
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        return state["momentum_buffer"]
 
-    def _direction(self, p, group):
-        """The momentum direction Newton-Schulz orthogonalises (Nesterov looks one step ahead)."""
-        buf = self.state[p]["momentum_buffer"]
-        return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+    def _orthogonalised(self, params, batches, owners, rank):
+        """{batch key: Newton-Schulz of this rank's share of the batch, stacked in batch order}: the directions
+        (Nesterov's look-ahead: one foreach lerp per group) oriented wide, as stacked_batches orders them."""
+        stacks = {}
+        for key, idx in batches.items():
+            mine = [i for i in idx if owners[i] == rank]
+            if not mine:
+                continue
+            group = self.param_groups[key[0]]
+            grads = [params[i].grad for i in mine]
+            bufs = [self.state[params[i]]["momentum_buffer"] for i in mine]
+            directions = torch._foreach_lerp(grads, bufs, group["momentum"]) if group["nesterov"] else bufs
+            oriented = torch.stack([d.mT if is_tall(d) else d for d in directions])
+            stacks[key] = zeropower_via_newtonschulz(oriented, group["ns_steps"], group["ns_coeffs"])
+        return stacks
+
+    def _scaled_updates(self, params, idx, group, stack):
+        """Each matrix's update, -lr x the shape factor (x NorMuon's, if on) x its orthogonalised direction, in the
+        parameter's own layout (fp32, contiguous: what a foreach kernel takes without falling back to a loop)."""
+        tall = sum(is_tall(params[i]) for i in idx)  # stacked_batches puts them first
+        if group.get("normuon_beta2", 0.0):
+            coef = self._normuon_batch(params, idx, group["normuon_beta2"], stack).mul_(-group["lr"])
+        else:
+            coef = torch.full((len(idx),) + (1,) * (stack.ndim - 1), -group["lr"], device=stack.device)
+        if tall:
+            p = params[idx[0]]
+            scale = (p.size(-2) / p.size(-1)) ** 0.5  # sqrt(rows / cols): Muon's scale for tall matrices
+            if group.get("normuon_beta2", 0.0):
+                coef[:tall].mul_(scale)
+            else:  # rounded once, as add(update, alpha=-lr * scale) rounds it
+                coef[:tall].fill_(-group["lr"] * scale)
+        update = stack * coef
+        return [*update[:tall].mT.contiguous().unbind(), *update[tall:].unbind()]
+
+    def _normuon_batch(self, params, idx, beta2, stack):
+        """normuon_scale over a batch's oriented stack, one kernel an op: each neuron's row (a column of the oriented
+        stack, but a square matrix's own rows) normalised by its second moment, kept fp32 in the parameter's own
+        layout as normuon_scale keeps it. On every rank after the exchange, so every rank keeps every moment."""
+        reduced = -1 if stack.size(-2) == stack.size(-1) else -2
+        moments = []
+        for i in idx:
+            state, p = self.state[params[i]], params[i]
+            if "second_moment" not in state:
+                kept = -1 if p.size(-2) >= p.size(-1) else -2
+                shape = (*p.shape[:-1], 1) if kept == -1 else (*p.shape[:-2], 1, p.size(-1))
+                state["second_moment"] = p.new_zeros(shape, dtype=torch.float32)
+            moment = state["second_moment"]
+            moments.append(moment.mT if is_tall(p) else moment)
+        stacked = torch.stack(moments)
+        row_norms = torch.linalg.vector_norm(stack, dim=reduced, keepdim=True, dtype=torch.float32)
+        factor = _normuon_factor(row_norms, stacked, beta2, stack.size(reduced))
+        torch._foreach_copy_(moments, list(stacked.unbind()))
+        return factor
 
     @staticmethod
-    def _exchange(params, owners, ortho, world_size, rank):
-        """all_gather every rank's orthogonalised share; returns the update of every parameter.
+    def _exchange(params, batches, owners, stacks, world_size, rank):
+        """all_gather every rank's orthogonalised share; returns {batch key: every matrix's update, stacked in batch
+        order}, the same tensor one process computes.
 
         Each rank packs its share, in parameter order, into a flat buffer padded to the largest share,
         so one equal-size collective (supported by NCCL and gloo) moves everything.
         """
         device = params[0].device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # = Newton-Schulz's compute dtype
+        where = {i: (key, j) for key, idx in batches.items() for j, i in enumerate(i for i in idx if owners[i] == rank)}
         shares = [[i for i in range(len(params)) if owners[i] == r] for r in range(world_size)]
         sizes = [[params[i].numel() for i in share] for share in shares]
         width = max(sum(s) for s in sizes)
         send = torch.zeros(width, dtype=dtype, device=device)
         if shares[rank]:
-            send[: sum(sizes[rank])] = torch.cat([ortho[i].flatten() for i in shares[rank]])
+            mine = [stacks[where[i][0]][where[i][1]].flatten() for i in shares[rank]]
+            send[: sum(sizes[rank])] = torch.cat(mine)
         gathered = torch.empty(world_size * width, dtype=dtype, device=device)
         all_gather_flat(gathered, send)  # flat output: gloo rejects the stacked (world, width) form
         gathered = gathered.view(world_size, width)
-        updates = {}
+        flat = {}
         for r, share in enumerate(shares):
-            updates.update(zip(share, gathered[r, : sum(sizes[r])].split(sizes[r])))
-        return updates
+            flat.update(zip(share, gathered[r, : sum(sizes[r])].split(sizes[r])))
+        return {key: torch.stack([flat[i].view(oriented_shape(params[i])) for i in idx]) for key, idx in batches.items()}
+
+
+def is_tall(t):
+    return t.size(-2) > t.size(-1)
+
+
+def oriented_shape(t):
+    """t's shape with its last two dims wide (rows <= cols): the layout Newton-Schulz iterates on."""
+    return (*t.shape[:-2], t.size(-1), t.size(-2)) if is_tall(t) else tuple(t.shape)
+
+
+def stacked_batches(work):
+    """{(group index, oriented shape): indices into work}: the matrices Muon stacks into one Newton-Schulz call and
+    one NorMuon pass, tall ones first (their updates go back to their own layout in one copy), then in order."""
+    batches = defaultdict(list)
+    for i, (p, gi) in sorted(enumerate(work), key=lambda item: (not is_tall(item[1][0]), item[0])):
+        batches[(gi, oriented_shape(p))].append(i)
+    return dict(batches)
+
+
+def cautious_decay_all_(params, updates, decay):
+    """cautious_decay_ for lists, four foreach kernels however many matrices: p -= decay * p where the update about
+    to be added (a negative multiple of the direction) and p disagree in sign, i.e. where the direction and p agree.
+    min(update * p, 0) has the sign of -[agree]; p + decay * p * sign(that) is p - decay * p there, p elsewhere, with
+    the same single rounding as cautious_decay_."""
+    agree = torch._foreach_mul(updates, params)
+    torch._foreach_clamp_max_(agree, 0.0)
+    torch._foreach_sign_(agree)
+    torch._foreach_addcmul_(params, params, agree, value=decay)
 
 
 class CautiousAdamW(torch.optim.AdamW):
