@@ -391,7 +391,8 @@ class GPT(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if self.bigram is not None:
-            x = ScaledAdd.apply(x, self.bigram_lambda, lookup(self.bigram, bigram_hash(idx, self.bigram.num_embeddings)))
+            rows = lookup(self.bigram, bigram_hash(idx, self.bigram.num_embeddings))
+            x = ScaledAdd.apply(x, self.bigram_lambda, rows)
         if self.smear_gate is not None:  # position t also sees t-1's embedding, through a gate read at t
             smear = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :GATE_DIM]))
             x = torch.cat([x[:, :1], x[:, 1:] + smear * x[:, :-1]], dim=1)

@@ -310,7 +310,10 @@ class Muon(torch.optim.Optimizer):
         flat = {}
         for r, share in enumerate(shares):
             flat.update(zip(share, gathered[r, : sum(sizes[r])].split(sizes[r])))
-        return {key: torch.stack([flat[i].view(oriented_shape(params[i])) for i in idx]) for key, idx in batches.items()}
+        stacked = {}
+        for key, idx in batches.items():
+            stacked[key] = torch.stack([flat[i].view(oriented_shape(params[i])) for i in idx])
+        return stacked
 
 
 def is_tall(t):

@@ -47,7 +47,8 @@ class BytesMoved(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
             reads = {id(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            mutated = [a for a, spec in zip(args, func._schema.arguments) if spec.alias_info and spec.alias_info.is_write]
+            specs = func._schema.arguments
+            mutated = [a for a, spec in zip(args, specs) if spec.alias_info and spec.alias_info.is_write]
             writes = {id(t): t for t in tree_leaves((out, mutated)) if isinstance(t, torch.Tensor)}
             self.kernels += 1
             self.bytes += sum(t.numel() * t.element_size() for t in [*reads.values(), *writes.values()])
