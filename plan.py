@@ -56,10 +56,12 @@ BYTES_PER_PARAM = 16  # fp32 weight + grad + two AdamW moments (Muon keeps one):
 # a rollback snapshot (rollback.Snapshot) per parameter: its fp32 weight and the optimizer state, exactly: two AdamW
 # moments, or Muon's one momentum for the hidden matrices
 SNAPSHOT_BYTES = {"adamw": 12, "muon": 8}
-# when the step cap forces the batch, split it into at least this many accumulation micro-steps: the clock can then
-# give steps back in 1/6 increments if the device is slower than forecast (only the accumulation moves after step 0:
-# a new micro-batch is a new compiled graph)
-FORCED_SPLIT = 6
+# when the step cap forces the batch, split it into at least this many accumulation micro-steps, so the clock can move
+# the batch in quarters when the device is not the forecast (only the accumulation moves after step 0: a new
+# micro-batch is a new compiled graph). 4, not 6: on a fake clock at the event, 0.25x-4x the forecast speed, it fills
+# the cap as well (mean 4,425 steps against 6's 4,400) with a third fewer micro-steps, each of which costs the host
+# ~33 compiled calls and ~130 eager ops and the device ~1.2 ms of fixed work (BENCHMARKS.md, "The host's share")
+FORCED_SPLIT = 4
 
 
 @dataclasses.dataclass
@@ -192,9 +194,12 @@ def _micro_and_accum(
     if micro_batch is None:
         cap = max(1, MAX_MICRO_TOKENS[kind] // seq_len)
         held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)
-        while cap > 1 and memory_needed(costs, shape, cap, seq_len, bf16, **held) > memory_bytes:
-            cap //= 2
         accum = max(math.ceil(seqs / max(cap, batch_size)), min(split, seqs // batch_size))
+        # the fewest micro-steps whose micro-batch fits in memory (a plan that fits none is refused by check_plan)
+        while math.ceil(seqs / accum) > batch_size and (
+            memory_needed(costs, shape, math.ceil(seqs / accum), seq_len, bf16, **held) > memory_bytes
+        ):
+            accum = math.ceil(seqs / (math.ceil(seqs / accum) - 1))
         return max(batch_size, math.ceil(seqs / accum)), accum
     return micro_batch, math.ceil(seqs / micro_batch)
 

@@ -5,7 +5,7 @@
 1. A first step (compilation) of 10-70% of the 600 s budget, the real step as forecast or 2x off either way:
    steps run, the share of the steps after the compile step that come before progress 0.6 (the stable phase of a 0.4
    decay: ~60% when progress follows the time after the compile step), where the run ended.
-2. The event's plan (2,555,904 tokens/step = 32 x 13 x 1024 x 6, cap 5000) on a device 0.25x-4x the forecast speed:
+2. The event's plan (2,490,368 tokens/step = 32 x 19 x 1024 x 4, cap 5000) on a device 0.25x-4x the forecast speed:
    steps run, the final accumulation, the end.
 """
 

@@ -10,7 +10,8 @@ Counted under a TorchDispatchMode: every aten op the host dispatches, split into
 metadata-only ones (views, detach, empty allocations: no kernel on CUDA). Categories: the optimizer step, the eager
 glue of a micro-step outside the blocks (forward and backward), the head loss's eager part (its chunk math is one
 compiled call at the event), zero_grad. Compiled-region calls are counted by wrapping them. Host ms: the same
-structure compiled per block with the compiled head loss, as launch.py builds it, timed per step on one thread.
+structure compiled per block with the compiled head loss, as launch.py builds it, timed per step on one thread in
+that thread's CPU seconds (time.thread_time), so a shared machine's waits for a core do not count.
 """
 
 import argparse
@@ -216,10 +217,12 @@ def count_ops(args, cuda_norms=False):
 def time_compiled(args):
     """Host ms per optimizer step, compiled as launch.py builds it (per block, the head loss's chunk math), on one
     thread; and the compiled-region calls a micro-step makes."""
+    import torch._inductor.config as inductor_config
     from headloss import compiled_head_loss
     from ranks import lower_backward_in_forward
 
     torch.set_num_threads(1)
+    inductor_config.cpp.enable_kernel_profile = True  # each fused C++ kernel a profiler event, as Triton's are
     model, optimizers, batch = event_structure(args)
     lower_backward_in_forward()
     model.compile_per_block()
@@ -238,21 +241,16 @@ def time_compiled(args):
     step_s, opt_s = [], []
     for step in range(args.warmup + args.steps):
         calls.clear()
-        start = time.perf_counter()
-        for micro in range(args.accum):
-            x, y = batch()
-            _, loss = model(x, y, loss_fn=loss_fn)
-            (loss / args.accum).backward()
-        opt_start = time.perf_counter()
-        for opt in optimizers:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-        end = time.perf_counter()
+        start = time.thread_time()  # this thread's CPU seconds: on a shared machine, the waits for a core drop out
+        opt_start = one_step(model, optimizers, batch, loss_fn, args.accum)
+        end = time.thread_time()
         if step >= args.warmup:
             step_s.append(end - start)
             opt_s.append(end - opt_start)
     per_micro = {k: v / args.accum for k, v in calls.items()}
+    inside = profiled_step(lambda: one_step(model, optimizers, batch, loss_fn, args.accum))
     return {
+        **{f"{k}_per_step": v for k, v in inside.items()},
         "step_ms": 1e3 * statistics.median(step_s),
         "optimizer_ms": 1e3 * statistics.median(opt_s),
         "micro_step_ms": 1e3 * (statistics.median(step_s) - statistics.median(opt_s)) / args.accum,
@@ -261,13 +259,89 @@ def time_compiled(args):
     }
 
 
+def one_step(model, optimizers, batch, loss_fn, accum):
+    """An optimizer step as train.py's loop takes it; returns when its optimizer part began (thread_time)."""
+    for _ in range(accum):
+        x, y = batch()
+        _, loss = model(x, y, loss_fn=loss_fn)
+        (loss / accum).backward()
+    opt_start = time.thread_time()
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return opt_start
+
+
+def profiled_step(step):
+    """What one compiled step runs, from a torch.profiler capture: the kernels inside the compiled regions (on CPU
+    inductor's fused C++ kernels and the extern GEMM/attention calls; on CUDA Triton kernels in their place, a
+    similar count) and autograd's per-parameter gradient accumulations (one add a parameter a micro-step after the
+    first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    kernels = accumulations = 0
+    for event in prof.events():
+        parent = event.cpu_parent
+        if parent is not None and parent.name.startswith("## Call CompiledFxGraph"):
+            kernels += 1
+        accumulations += event.name == "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad"
+    return {"compiled_kernels": kernels, "grad_accumulations": accumulations}
+
+
+def unit_costs(reps=3000):
+    """This machine's host cost, in thread-CPU us, of one eager op on a tiny tensor and of one call into a small
+    compiled region with autograd (guards, runtime wrapper, one fused kernel each way): the factors that turn the
+    counts into milliseconds."""
+    torch.set_num_threads(1)
+    t = torch.ones(8)
+    for _ in range(100):
+        torch.mul(t, t)
+    start = time.thread_time()
+    for _ in range(reps):
+        torch.mul(t, t)
+    eager_us = 1e6 * (time.thread_time() - start) / reps
+    region = torch.compile(lambda x: (x * 2 + 1).relu(), fullgraph=True, dynamic=False)
+    x = torch.ones(8, requires_grad=True)
+    for _ in range(20):
+        region(x).sum().backward()
+    start = time.thread_time()
+    for _ in range(reps // 10):
+        region(x).sum().backward()
+    per_call = 1e6 * (time.thread_time() - start) / (reps // 10)
+    return {"eager_op_us": eager_us, "compiled_call_fwd_bwd_us": per_call - 3 * eager_us}  # less sum, its backward
+
+
+def event_host_ms(counts, units, accum, chunks, launch_us):
+    """Host ms of one optimizer step at the event's plan (accum micro-steps, chunks head-loss chunks a micro-step)
+    from the counts: every launching op, compiled kernel and gradient accumulation at this machine's dispatch cost
+    plus launch_us for the CUDA launch itself (cudaLaunchKernel's host side), each compiled forward + backward pair
+    at the measured call's overhead. The head loss's eager ops grow ~5 a chunk past the counted structure's one."""
+    launch = units["eager_op_us"] + launch_us
+    per_micro = counts["glue_forward_cuda_launches_per_micro"] + counts["glue_backward_cuda_launches_per_micro"]
+    per_micro += counts["head_loss_eager_ops_per_micro"] + 5 * (chunks - 1)
+    per_micro += counts["compiled_kernels_per_step"] / counts["accum"] + chunks  # the chunk math: one kernel each
+    per_micro += counts["grad_accumulations_per_step"] / max(counts["accum"] - 1, 1) * (accum - 1) / accum
+    regions = counts["compiled_calls_per_micro"] / 2  # forward and backward, one pair a block
+    micro_us = per_micro * launch + regions * units["compiled_call_fwd_bwd_us"]
+    return 1e-3 * (counts["optimizer_ops"] * launch + accum * micro_us)
+
+
 def measure(args):
     result = count_ops(args)
+    result["accum"] = args.accum
     cuda = count_ops(args, cuda_norms=True)
     for key in ("glue_forward_ops_per_micro", "glue_backward_ops_per_micro"):
         result[key.replace("_ops", "_cuda_launches")] = cuda[key]
     if not args.counts_only:
         result.update(time_compiled(args))
+        units = unit_costs()
+        result.update(units)
+        for launch_us in (2, 6):
+            result[f"event_host_ms_launch_{launch_us}us"] = event_host_ms(
+                result, units, args.event_accum, args.event_chunks, launch_us
+            )
     return result
 
 
@@ -275,6 +349,7 @@ def side_by_side(args):
     """This checkout and args.vs, alternating, each in its own process; the medians of args.rounds each."""
     flags = [f"--{k}={getattr(args, k)}" for k in ("accum", "micro_batch", "seq_len", "width", "vocab")]
     flags += [f"--steps={args.steps}", f"--warmup={args.warmup}", "--json"]
+    flags += [f"--event_accum={args.event_accum}", f"--event_chunks={args.event_chunks}"]
     runs = {"this": [], "vs": []}
     for _ in range(args.rounds):
         for name, repo in (("vs", args.vs), ("this", str(ROOT))):
@@ -302,6 +377,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="timed steps after --warmup")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="with --vs: runs of each checkout")
+    parser.add_argument("--event_accum", type=int, default=4, help="the event plan's micro-steps, for event_host_ms")
+    parser.add_argument("--event_chunks", type=int, default=8, help="the event plan's head-loss chunks a micro-step")
     parser.add_argument("--counts_only", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repo", default=str(ROOT), help="the checkout whose modules are measured")

@@ -173,7 +173,7 @@ def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(
 
 
 def test_the_event_plan_counts_transients_and_says_where_the_snapshots_go(event_plan):
-    """At the event's plan (micro 13, 32 ranks), the review's parts on top of state and activations: the head's chunk
+    """At the event's plan (micro 19, 32 ranks), the review's parts on top of state and activations: the head's chunk
     buffers, the tables' per-micro-step gradients, the hook's copies of the bigram bucket, Muon's gather."""
     plan, _ = event_plan(model="l16w1024")
     costs = P.shape_costs(P.shape_config("l16w1024"), 32000, 1024)
@@ -182,7 +182,7 @@ def test_the_event_plan_counts_transients_and_says_where_the_snapshots_go(event_
     rows = P.chunk_rows(tokens, 32000, 512 << 20)
     head = 4 * rows * 32000 * 4 + (32000 + tokens) * 1024 * 4
     parts = head + 4 * costs["table_params"] + 6 * 163_840_000 + 2 * costs["muon_params"]
-    assert (plan.micro_batch, rows) == (13, 3328) and plan.memory_gib * 2**30 == before + parts
+    assert (plan.micro_batch, rows) == (19, 2432) and plan.memory_gib * 2**30 == before + parts
     assert plan.snapshot_gib * 2**30 == 2 * P.snapshot_bytes(costs, muon=True)
     assert plan.snapshots_on_device and plan.line().endswith("GiB of rollback snapshots on it")
     # a device with room for the rest but not for both snapshots twice over: they go to pinned host memory
