@@ -96,12 +96,11 @@ GATE_DIM = 12  # the gates read the first dims of their input (mnGPT: 12 on the 
 
 def bigram_hash(idx, rows):
     """Row of each (previous, current) token pair in a table of `rows`; a window's first position, whose previous
-    token is not in the window, gets the last row. Multiply-xor (mnGPT's constants) spreads pairs over the rows;
-    the pairs are written into the filled rows in place (one kernel fewer than a concatenation)."""
+    token is not in the window, gets the last row (a pad: one kernel, where a filled column and a concatenation took
+    two). Multiply-xor (mnGPT's constants) spreads pairs over the rows."""
     idx = idx.long()
-    out = idx.new_full(idx.shape, rows - 1)
-    torch.remainder(torch.bitwise_xor(36313 * idx[:, 1:], 27191 * idx[:, :-1]), rows - 1, out=out[:, 1:])
-    return out
+    pairs = torch.bitwise_xor(36313 * idx[:, 1:], 27191 * idx[:, :-1]) % (rows - 1)
+    return F.pad(pairs, (1, 0), value=rows - 1)
 
 
 class ScaledAdd(torch.autograd.Function):
@@ -119,6 +118,12 @@ class ScaledAdd(torch.autograd.Function):
         w, s = ctx.saved_tensors
         grad_w = torch.dot(grad.reshape(-1), s.reshape(-1).to(grad.dtype)).view_as(w) if w.requires_grad else None
         return grad, grad_w, grad * w
+
+
+def scaled_add(x, w, s):
+    """x + w * s: ScaledAdd eagerly; inside a compiled graph (which fuses it anyway, and cannot trace a Function
+    given one tensor twice: the first U-Net skip is x itself) the plain expression."""
+    return x + w * s if torch.compiler.is_compiling() else ScaledAdd.apply(x, w, s)
 
 
 class SparseAfterFirst(torch.autograd.Function):
@@ -211,15 +216,20 @@ class Rotary(nn.Module):
         self.tables = {}
 
     def forward(self, T, device):
+        if torch.compiler.is_compiling():  # a whole-model graph computes them inside itself
+            return self.make(T, device)
         key = (T, str(device), torch.is_inference_mode_enabled())  # an inference tensor cannot be saved for backward
         if key not in self.tables:
             with torch.no_grad():
-                arange = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
-                inv_freq = self.base ** (-arange / self.head_dim)
-                freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)[:, None, :]
-                cos, sin = freqs.cos(), freqs.sin()
-                self.tables[key] = torch.cat((cos, cos), dim=-1), torch.cat((sin, -sin), dim=-1)
+                self.tables[key] = self.make(T, device)
         return self.tables[key]
+
+    def make(self, T, device):
+        arange = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
+        inv_freq = self.base ** (-arange / self.head_dim)
+        freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, -sin), dim=-1)
 
 
 def apply_rotary(x, cos, sin):
@@ -392,7 +402,7 @@ class GPT(nn.Module):
             x = self.embed_norm(x)
         if self.bigram is not None:
             rows = lookup(self.bigram, bigram_hash(idx, self.bigram.num_embeddings))
-            x = ScaledAdd.apply(x, self.bigram_lambda, rows)
+            x = scaled_add(x, self.bigram_lambda, rows)
         if self.smear_gate is not None:  # position t also sees t-1's embedding, through a gate read at t
             smear = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :GATE_DIM]))
             x = torch.cat([x[:, :1], x[:, 1:] + smear * x[:, :-1]], dim=1)
@@ -404,7 +414,7 @@ class GPT(nn.Module):
         skip_weights = self.skip_weights.unbind() if self.n_skip else ()  # one backward op, not one per skip
         for i, block in enumerate(self.blocks):
             if i >= L - self.n_skip:
-                x = ScaledAdd.apply(x, skip_weights[L - 1 - i], skips.pop())
+                x = scaled_add(x, skip_weights[L - 1 - i], skips.pop())
             ve = ves[self.ve_index[i]] if self.ve_index[i] is not None else None
             x = block(x, x0, ve, rope)
             if i < self.n_skip:
@@ -412,7 +422,7 @@ class GPT(nn.Module):
             if i == self.backout_layer:
                 early = x
         if early is not None:  # what early layers wrote for later context, not for this prediction
-            x = ScaledAdd.apply(x, -self.backout_lambda, early)
+            x = scaled_add(x, -self.backout_lambda, early)
         x = self.norm_f(x)
         head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
         if loss_fn is not None:
