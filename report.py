@@ -45,6 +45,7 @@ def summary_row(run, clock, state, val_loss, val_batches):
         "compile_fallback": state.compile_fallback,  # the first failing rank's reason
         "compile_fallback_ranks": state.compile_fallback_ranks,  # every rank that runs eagerly since step 0
         "attention": run.attention.name,  # the SDPA backend preferred (kernels.choose_attention)
+        "attention_op": run.attention.op,  # the one torch picks under it for the training call: what step 0 compiled
         "eager_runs": eager_runs.item(),  # calls of compiled regions run eagerly after a guard miss (slower steps)
         "final_lr_frac": state.lr_frac,
         "stop_reason": state.stop_reason,
