@@ -300,7 +300,10 @@ def optimizer_step(run, clock, state, guard, amp):
         return None
     for opt in run.optimizers:
         opt.step()
-    run.model.zero_grad(set_to_none=True)
+    # with several ranks kept, not freed: they stay views of DDP's buckets, so the next sync copies nothing into them
+    # (2 gloo ranks: 0.89x the step on CPU; one process has no buckets and measured 1.08x: freed; BENCHMARKS.md). Every
+    # parameter gets a gradient each step, so the optimizers' `grad is None` skips mean what they meant
+    run.model.zero_grad(set_to_none=run.world == 1)
     state.step += 1
     state.tokens += step_tokens
     return step_loss
