@@ -47,7 +47,7 @@ from kernels import (
 from ranks import STOP_SIGNALS, fail, failing_ranks, lost_contact, rank_span, stop_with_the_launcher, why
 from schedule import batch_lr_scale, mtp_weights, schedule, set_lrs
 from streams import guard_log_streams
-from report import Logger, close_metrics, human_summary, process_age_s, summary_row
+from report import Logger, StepProfile, close_metrics, human_summary, process_age_s, summary_row
 
 
 # ----------------------------------------------------------------------------- the step's loss
@@ -203,6 +203,7 @@ def train(run):
     guard = Guard(run.raw_model, run.optimizers, run.device, run.say)
     ema = TailEMA(run.raw_model, run.hp.tail_ema, run.hp.tail_ema_horizon)
     loss_sum = torch.zeros(2, device=run.device)  # since the last host sync: the steps' losses, the steps that count
+    profile = StepProfile(run, clock) if run.hp.profile and run.rank == 0 else None  # --profile; None costs nothing
     gc.collect()
     gc.disable()  # a collection pause on one rank stalls all of them
     t0 = time.perf_counter()  # the clock starts right before the first forward pass, on every rank together
@@ -212,10 +213,16 @@ def train(run):
             state.stop_reason = host_sync(run, clock, log, state, guard, ema, loss_sum, time.perf_counter() - t0, amp)
             if state.stop_reason:
                 break
+        if profile:
+            profile.begin(state.step)
         step_loss = optimizer_step(run, clock, state, guard, amp)
         if step_loss is None:
             break
         loss_sum += step_loss
+        if profile:
+            profile.end(state)
+    if profile:
+        profile.close(state)
     state.train_s = time.perf_counter() - t0
     gc.enable()
     run.loader.close()

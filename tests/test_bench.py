@@ -27,6 +27,7 @@ SCRIPTS = [
     "bench/ns_error.py",
     "bench/attention_backends.py",
     "bench/zero_grad.py",
+    "bench/profile_summary.py",
 ]
 
 
