@@ -299,14 +299,13 @@ def next_attention(choice):
     passes at the same call (math: unchecked); None when none is after it."""
     if not choice.ordered or len(choice.backends) < 2:
         return None
-    checks, rest, notes = (
-        AttentionChecks(dataclasses.replace(choice.call, compiled=False)),
-        list(choice.backends[1:]),
-        [],
-    )
+    checks = AttentionChecks(dataclasses.replace(choice.call, compiled=False))  # the compiled retry comes next
+    rest, notes = list(choice.backends[1:]), []
     while len(rest) > 1 and (problem := checks.problem(rest[0])):
         notes.append(f"attention: {rest[0]} fails its check ({problem}); trying the next backend")
         rest.pop(0)
+    if checks.names:
+        notes.append(checks.said())
     return priority_choice(rest, notes, choice.call)
 
 

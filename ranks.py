@@ -81,7 +81,8 @@ def cap_compile_workers(env, compiling, cpus=None):
     them at once while step 0 compiles. Returns the line to say, or None when there is nothing to do."""
     if not compiling or env.get("TORCHINDUCTOR_COMPILE_THREADS"):
         return None
-    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    if cpus is None:  # the CPUs this process may run on (a cpuset or taskset narrows them), where Linux says
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ranks = int(env.get("LOCAL_WORLD_SIZE") or 1)
     workers = min(INDUCTOR_MAX_WORKERS, max(1, cpus // ranks))
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(workers)
