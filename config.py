@@ -220,6 +220,11 @@ class Hyperparameters:
         "summary) or fail (an error: bench/gpu_check.sh proves that none happens)",
         choices=("eager", "fail"),
     )
+    profile: bool = flag(
+        False,
+        "record optimizer steps 3-5 with torch.profiler (CPU, and CUDA on a GPU) on rank 0: a Chrome trace beside the "
+        "metrics (metrics.trace.json; Perfetto opens it) and the top ops by self time; its cost is counted as paused",
+    )
     seed: int = flag(0, "seed of the weights and of the data order", at_least=0, below=2**32)
     log_every_s: float = flag(
         1.0, "host-sync cadence: clock check, loss read, stop decision, metrics row", at_least=0.0

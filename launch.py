@@ -32,11 +32,12 @@ from plan import (
 )
 from checkpoint import Checkpointer, check_room
 from deadline import budget_until, training_deadline
-from kernels import agreed_attention, choose_attention, point_triton_at_ptxas, triton_version
+from kernels import AttentionCall, agreed_attention, choose_attention, point_triton_at_ptxas, triton_version
 from paths import check_outputs, lock_outputs, training_twin
 from report import MetricsFile
 from ranks import (
     bf16_grad_hook,
+    cap_compile_workers,
     fail,
     init_device,
     launcher_env,
@@ -101,8 +102,12 @@ def launch(hp, model_switches, stop_signal, say):
     hp = resolve(hp, world)
     device = init_device(hp, rank, local_rank, world)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if toolchain := point_triton_at_ptxas(capability, triton_version(), os.environ):  # before anything compiles
-        say(toolchain)
+    for line in (
+        point_triton_at_ptxas(capability, triton_version(), os.environ),
+        cap_compile_workers(os.environ, hp.compile),
+    ):
+        if line:  # before anything compiles
+            say(line)
     deadline = training_deadline(hp, rank, device, world, say)
     budget_s = budget_until(deadline, hp)  # first: the plan is made for the budget the run gets
     hp, data, val, plan, loader, metrics, attention = checked_inputs(
@@ -116,7 +121,7 @@ def launch(hp, model_switches, stop_signal, say):
     config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(raw_model.config)}
     checkpointer = Checkpointer(hp.checkpoint_path)
     save_step_zero(checkpointer, raw_model, config, rank, device, world)
-    say(versions(device, attention.label))
+    say(versions(device, f"{attention.label}, op {attention.op}"))
     say(f"plan: {plan.line()}")
     say(
         f"{world} x {device.type} | compile {hp.compile} | autocast {hp.autocast} | grad reduce {hp.grad_reduce} | "
@@ -195,7 +200,9 @@ def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s
         plan = build_plan(hp, model_switches, device, world, budget_s, say)
         dtype = torch.bfloat16 if hp.autocast == "bf16" else torch.float32
         head_dim = plan.n_embd // plan.n_head
-        attention = choose_attention(hp.attention, plan.n_head, head_dim, hp.seq_len, device, capability, dtype)
+        call = AttentionCall(plan.micro_batch, hp.seq_len, plan.n_head, head_dim, device, dtype, hp.compile)
+        cudnn = torch.backends.cudnn.version() if device.type == "cuda" else None
+        attention = choose_attention(hp.attention, call, capability, cudnn)
         loader = BatchLoader(
             data.train,
             WindowSpec(hp.seq_len, doc_aligned=hp.doc_aligned, bos_id=data.bos_id, vocab_size=hp.vocab_size),
@@ -326,8 +333,7 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
     """(the plain model, what the loop calls: compiled per block and DDP-wrapped as configured, its loss_fn,
     optimizers)."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        allow_tf32_matmuls()
     torch.manual_seed(hp.seed)
     shape = {k: getattr(plan, k) for k in ("n_layer", "n_head", "n_embd")}
     # from a whole config: today's defaults for every switch not given, however many are (model.model_config)
@@ -365,6 +371,15 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         if hp.grad_reduce == "bf16":
             model.register_comm_hook(None, bf16_grad_hook)
     return raw_model, model, loss_fn, optimizers
+
+
+def allow_tf32_matmuls(matmul=torch.backends.cuda.matmul):
+    """TF32 for float32 matmuls on CUDA (training runs bf16 under autocast; --autocast none and the attention check's
+    float32 reference do not). The legacy setter, which sets torch's new per-backend flag with it and does not warn:
+    torch >= 2.9's new form alone (matmul.fp32_precision = "tf32") leaves the legacy state behind, and inductor's
+    readers of it then raise mid-compile (pytorch#166387, on 2.10 too); the cuDNN one warns and no cuDNN convolution or
+    RNN runs here."""
+    matmul.allow_tf32 = True
 
 
 class EagerRuns:

@@ -53,6 +53,9 @@ PEAK_BF16_TFLOPS = {"B300": 2250, "B200": 2250, "H200": 989, "H100": 989, "A100"
 # in the clock's simulation (tests/test_faults3.py) runs ended with 4-95% of the budget used; the flat plan then
 RAMP_MIN_STEPS = 40
 BYTES_PER_PARAM = 16  # fp32 weight + grad + two AdamW moments (Muon keeps one): the upper bound
+# with several ranks, DDP's fp32 gradient buckets: the gradients are views of them once a step has synced, but a
+# step's first micro-steps make fresh gradients while .grad is None (step 0, and a step after a rollback)
+BUCKET_BYTES_PER_PARAM = 4
 # a rollback snapshot (rollback.Snapshot) per parameter: its fp32 weight and the optimizer state, exactly: two AdamW
 # moments, or Muon's one momentum for the hidden matrices
 SNAPSHOT_BYTES = {"adamw": 12, "muon": 8}
@@ -155,13 +158,14 @@ def shape_costs(shape, vocab_size, seq_len):
 
 
 def memory_needed(costs, shape, micro_batch, seq_len, bf16, *, kind, world_size, tail_ema=False):
-    """Bytes one device needs: weights and optimizer state (with the tail EMA, its fp32 copy of every weight but the
-    token embedding), activations kept for backward (about 34 values x width x layers per token, and the embedding
-    lookups) and what a step holds for a moment (transient_bytes). The rollback snapshots are apart
-    (snapshot_bytes): they go to pinned host memory when the device has no room."""
+    """Bytes one device needs: weights and optimizer state (with several ranks DDP's gradient buckets; with the tail
+    EMA, its fp32 copy of every weight but the token embedding), activations kept for backward (about 34 values x
+    width x layers per token, and the embedding lookups) and what a step holds for a moment (transient_bytes). The
+    rollback snapshots are apart (snapshot_bytes): they go to pinned host memory when the device has no room."""
     act_bytes = 2 if bf16 else 4
     per_token = (34 * shape["n_layer"] + 2 * costs["n_tables"]) * shape["n_embd"] * act_bytes
-    state = costs["params"] * BYTES_PER_PARAM + (costs["params"] - costs["token_embedding_params"]) * 4 * tail_ema
+    per_param = BYTES_PER_PARAM + BUCKET_BYTES_PER_PARAM * (world_size > 1)
+    state = costs["params"] * per_param + (costs["params"] - costs["token_embedding_params"]) * 4 * tail_ema
     return state + micro_batch * seq_len * per_token + transient_bytes(costs, micro_batch * seq_len, kind, world_size)
 
 

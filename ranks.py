@@ -1,6 +1,7 @@
-"""The ranks before the clock: the torch this runs on, each rank's place and device, the process group, ranks that
-leave together, and the collectives the loop uses, warmed. launch.py calls these in order; train.py's ranks exit
-through fail, and stop on any of STOP_SIGNALS (and when their launcher dies: stop_with_the_launcher).
+"""The ranks before the clock: the torch this runs on, each rank's place and device (and its share of the node's CPUs
+for compile workers), the process group, ranks that leave together, and the collectives the loop uses, warmed.
+launch.py calls these in order; train.py's ranks exit through fail, and stop on any of STOP_SIGNALS (and when their
+launcher dies: stop_with_the_launcher).
 
 A check that can differ per rank (a node's staged data, a path, a file only one rank cannot read) is followed by
 leave_together, so one rank's error stops every rank at once, said once with the rank's number, instead of hanging a
@@ -20,7 +21,7 @@ import torch._functorch.config
 import torch.distributed as dist
 
 from muon import all_gather_flat, flat_gather
-from kernels import triton_version
+from kernels import cudnn_release, triton_version
 
 
 # The oldest torch the run path works on (run end to end on CPU, 2 gloo ranks, compiled): torch.compiler.set_stance
@@ -55,13 +56,12 @@ def lower_backward_in_forward(config=torch._functorch.config):
 def versions(device, attention):
     """One line that says what ran: torch, Triton, and on CUDA the CUDA, cuDNN and NCCL versions, the GPU and its
     compute capability; the ptxas Triton was pointed at, if any; the attention backend (kernels.AttentionChoice's
-    label)."""
+    label and the op step 0 compiles in)."""
     line = f"torch {torch.__version__} | Triton {triton_version() or 'none'}"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "none"
-        cudnn = torch.backends.cudnn.version() or 0
-        cudnn = f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}" if cudnn >= 90000 else cudnn or "none"
+        cudnn = cudnn_release(torch.backends.cudnn.version())
         line += (
             f" | CUDA {torch.version.cuda} | cuDNN {cudnn} | NCCL {nccl} | {torch.cuda.get_device_name(device)} "
             f"(sm_{major}{minor})"
@@ -69,6 +69,28 @@ def versions(device, attention):
     if ptxas := os.environ.get("TRITON_PTXAS_PATH"):
         line += f" | TRITON_PTXAS_PATH {ptxas}"
     return f"{line} | attention {attention}"
+
+
+INDUCTOR_MAX_WORKERS = 32  # inductor's own cap on compile workers (torch._inductor.config.decide_compile_threads)
+
+
+def cap_compile_workers(env, compiling, cpus=None):
+    """Inductor's compile workers per rank, when the user has not set TORCHINDUCTOR_COMPILE_THREADS: the CPUs this
+    process may use over the ranks on its node (LOCAL_WORLD_SIZE), at least 1, at most inductor's own cap; before
+    anything compiles (inductor reads it once, at import). Without it every rank of a node starts min(32, CPUs) of
+    them at once while step 0 compiles. Returns the line to say, or None when there is nothing to do."""
+    if not compiling or env.get("TORCHINDUCTOR_COMPILE_THREADS"):
+        return None
+    if cpus is None:  # the CPUs this process may run on (a cpuset or taskset narrows them), where Linux says
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = int(env.get("LOCAL_WORLD_SIZE") or 1)
+    workers = min(INDUCTOR_MAX_WORKERS, max(1, cpus // ranks))
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = str(workers)
+    if (config := sys.modules.get("torch._inductor.config")) is not None:  # read already: set it there too
+        config.compile_threads = workers
+    return (
+        f"compile: {workers} inductor compile worker(s) per rank ({cpus} CPUs visible / {ranks} rank(s) on this node)"
+    )
 
 
 def launcher_env(env):

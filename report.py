@@ -45,6 +45,7 @@ def summary_row(run, clock, state, val_loss, val_batches):
         "compile_fallback": state.compile_fallback,  # the first failing rank's reason
         "compile_fallback_ranks": state.compile_fallback_ranks,  # every rank that runs eagerly since step 0
         "attention": run.attention.name,  # the SDPA backend preferred (kernels.choose_attention)
+        "attention_op": run.attention.op,  # the one torch picks under it for the training call: what step 0 compiled
         "eager_runs": eager_runs.item(),  # calls of compiled regions run eagerly after a guard miss (slower steps)
         "final_lr_frac": state.lr_frac,
         "stop_reason": state.stop_reason,
@@ -227,6 +228,70 @@ class Logger:
         self.bar.update(min(round(train_s), self.bar.total) - self.bar.n)
         self.bar.close()
         close_metrics(self.run)
+
+
+# --profile records these optimizer steps: after the compile step (0) and two steps of warm-up
+PROFILE_FROM, PROFILE_STEPS = 3, 3
+PROFILE_TOP_OPS = 15  # rows of the top-ops table said at the end of the window
+
+
+def trace_path(metrics_path):
+    """Where --profile writes its trace: beside the metrics file, named after it (metrics.trace.json)."""
+    return os.path.splitext(metrics_path)[0] + ".trace.json"
+
+
+class StepProfile:
+    """--profile, on rank 0: torch.profiler (CPU, and CUDA on a GPU) over PROFILE_STEPS optimizer steps from
+    PROFILE_FROM, each marked "step N"; then a Chrome trace beside the metrics (Perfetto and chrome://tracing open
+    it) and the top ops by self time. The window is on the clock: each profiled step's time beyond the clock's
+    forecast of it, and the export, are counted as paused (like a validation), so the step time the clock measures
+    stays the unprofiled one. The loop calls begin and end around every step and close after the last."""
+
+    def __init__(self, run, clock):
+        self.run, self.clock, self.profiler, self.mark, self.done = run, clock, None, None, False
+        self.path = trace_path(run.hp.metrics_path)
+
+    def begin(self, step):
+        if self.done or step < PROFILE_FROM:
+            return
+        if self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.run.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.first, self.started = step, time.perf_counter()
+            self.profiler.__enter__()
+        self.step_start = time.perf_counter()
+        self.mark = torch.profiler.record_function(f"step {step}")
+        self.mark.__enter__()
+
+    def end(self, state):
+        """After a step: its time beyond the clock's forecast counted as paused; the trace written after the last."""
+        if self.mark is None:
+            return
+        self.mark.__exit__(None, None, None)
+        self.mark = None
+        if self.run.device.type == "cuda":  # the GPU's share of the window ends in it
+            torch.cuda.synchronize(self.run.device)
+        state.paused += max(time.perf_counter() - self.step_start - self.clock.step_s, 0.0)
+        if state.step - self.first >= PROFILE_STEPS:
+            self.close(state)
+
+    def close(self, state):
+        """The trace written and the top ops said (a run that ended inside the window: what it recorded)."""
+        if self.profiler is None or self.done:
+            return
+        self.done, export_start = True, time.perf_counter()
+        self.profiler.__exit__(None, None, None)
+        self.profiler.export_chrome_trace(self.path)
+        sort = "self_device_time_total" if self.run.device.type == "cuda" else "self_cpu_time_total"
+        table = self.profiler.key_averages().table(sort_by=sort, row_limit=PROFILE_TOP_OPS)
+        paused = time.perf_counter() - export_start
+        state.paused += paused
+        self.run.say(
+            f"profile: steps {self.first}-{state.step - 1} in {self.path} (open it in https://ui.perfetto.dev or "
+            f"chrome://tracing); the export's {paused:.1f} s and the profiler's overhead are counted as paused\n{table}"
+        )
 
 
 def human_summary(summary, hp):

@@ -36,10 +36,18 @@ from windows import DataChanged
 from headloss import head_loss
 from deadline import agreed_budget
 from launch import dry_run, launch
+from kernels import (
+    agreed_attention,
+    compile_counts,
+    failed_in_attention,
+    forget_compiles,
+    next_attention,
+    switch_attention,
+)
 from ranks import STOP_SIGNALS, fail, failing_ranks, lost_contact, rank_span, stop_with_the_launcher, why
 from schedule import batch_lr_scale, mtp_weights, schedule, set_lrs
 from streams import guard_log_streams
-from report import Logger, close_metrics, human_summary, process_age_s, summary_row
+from report import Logger, StepProfile, close_metrics, human_summary, process_age_s, summary_row
 
 
 # ----------------------------------------------------------------------------- the step's loss
@@ -195,6 +203,7 @@ def train(run):
     guard = Guard(run.raw_model, run.optimizers, run.device, run.say)
     ema = TailEMA(run.raw_model, run.hp.tail_ema, run.hp.tail_ema_horizon)
     loss_sum = torch.zeros(2, device=run.device)  # since the last host sync: the steps' losses, the steps that count
+    profile = StepProfile(run, clock) if run.hp.profile and run.rank == 0 else None  # --profile; None costs nothing
     gc.collect()
     gc.disable()  # a collection pause on one rank stalls all of them
     t0 = time.perf_counter()  # the clock starts right before the first forward pass, on every rank together
@@ -204,10 +213,16 @@ def train(run):
             state.stop_reason = host_sync(run, clock, log, state, guard, ema, loss_sum, time.perf_counter() - t0, amp)
             if state.stop_reason:
                 break
+        if profile:
+            profile.begin(state.step)
         step_loss = optimizer_step(run, clock, state, guard, amp)
         if step_loss is None:
             break
         loss_sum += step_loss
+        if profile:
+            profile.end(state)
+    if profile:
+        profile.close(state)
     state.train_s = time.perf_counter() - t0
     gc.enable()
     run.loader.close()
@@ -292,7 +307,10 @@ def optimizer_step(run, clock, state, guard, amp):
         return None
     for opt in run.optimizers:
         opt.step()
-    run.model.zero_grad(set_to_none=True)
+    # with several ranks kept, not freed: they stay views of DDP's buckets, so the next sync copies nothing into them
+    # (2 gloo ranks: 0.89x the step on CPU; one process has no buckets and measured 1.08x: freed; BENCHMARKS.md). Every
+    # parameter gets a gradient each step, so the optimizers' `grad is None` skips mean what they meant
+    run.model.zero_grad(set_to_none=run.world == 1)
     state.step += 1
     state.tokens += step_tokens
     return step_loss
@@ -346,31 +364,63 @@ def stop_agreed(run):
 
 
 def first_compiled_step(run, accum, amp, loss_fn):
-    """Step 0, which compiles every graph training uses. Where compiling fails (a Triton or ptxas that does not know
-    the GPU; on CPU, no working C++ compiler) the attempt is lost, not the slot: the step runs again eagerly, and so
-    does the rest of the run, whose step time the clock measures from step 1 on. Backward graphs are compiled in the
-    first forward (launch.py), so a failure comes before DDP's reducer expects a backward. Then every rank learns
-    which ranks fell back (one all-reduce; the reason travels only on failure), since all ranks wait for an eager
-    one: one line names them. Returns (accumulate's loss and count, the ranks that run eagerly, the first one's
-    reason)."""
-    why = None
-    try:
-        step_loss = accumulate(run, accum, amp, loss_fn)
-        # after step 0 no recompile may stall the clock: a guard miss raises, and launch.EagerRuns runs it eagerly
-        torch.compiler.set_stance("fail_on_recompile")
-    except Exception as e:
-        if isinstance(e, (dist.DistError, DataChanged)):  # a lost peer or the data, not the compiler
-            raise
-        why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    """Step 0, which compiles every graph training uses: first in a trial micro-step (compiled_trial) that takes no
+    collective, so ranks can agree on what failed before any gradient all-reduce. When it fails inside the attention
+    backend on any rank, every rank moves down the backends (kernels.next_attention, agreed) and compiles again, each
+    rank that failed saying so on its stderr and rank 0 once for all; elsewhere (a Triton or ptxas that does not know
+    the GPU; on CPU, no working C++ compiler) the rank runs step 0 and the rest of the run eagerly, and the clock
+    measures its step time from step 1 on. Every rank learns which ranks fell back (one all-reduce; the reason
+    travels only on failure), since all ranks wait for an eager one: one line names them. Returns (accumulate's loss
+    and count, the ranks that run eagerly, the first one's reason)."""
+    counts = compile_counts()  # graphs compiled under a backend left behind are not the run's
+    why, in_attention = compiled_trial(run, amp, loss_fn)
+    while (failed := failing_ranks(why if in_attention else None, run.device, run.world, run.rank))[0]:
+        if (rest := next_attention(run.attention)) is None:
+            break
+        if in_attention:
+            print(f"rank {run.rank}: step 0 failed inside attention {run.attention.name} ({why})", file=sys.stderr)
+        rest = agreed_attention(rest, run.device, run.world)
+        where = "" if run.world == 1 else f" on {rank_span(failed[0])} of {run.world}"
+        run.say(
+            f"warning: step 0 failed inside attention {run.attention.name}{where} ({failed[1]}); every rank compiles "
+            f"again under {rest.label}, op {rest.op}"
+        )
+        for note in rest.notes:
+            run.say(note)
+        forget_compiles(counts)
+        run.attention = switch_attention(rest)
+        why, in_attention = compiled_trial(run, amp, loss_fn)
+    if why is not None:
         torch.compiler.set_stance("force_eager")
-        run.model.zero_grad(set_to_none=True)
-        step_loss = accumulate(run, accum, amp, loss_fn)
+    step_loss = accumulate(run, accum, amp, loss_fn)
+    if why is None:  # after step 0 no recompile may stall the clock: a guard miss raises, and EagerRuns runs it eagerly
+        torch.compiler.set_stance("fail_on_recompile")
     eager, first_why = failing_ranks(why, run.device, run.world, run.rank)
     if eager:
         where = "" if run.world == 1 else f" on {rank_span(eager)} of {run.world}"
         wait = "" if run.world == 1 else " there, and every rank waits for them"
         run.say(f"warning: compiling failed at the first step{where} ({first_why}); training goes on eagerly{wait}")
     return step_loss, eager, first_why
+
+
+def compiled_trial(run, amp, loss_fn):
+    """One compiled micro-step of step 0's shape on a stand-in batch (every graph compiles in it: backward graphs in
+    the first forward, launch.py), its gradients dropped, under DDP's no_sync: no collective. Returns (None, False),
+    or where compiling or running it failed (a lost peer is raised) its reason and whether it failed inside
+    attention (kernels.failed_in_attention)."""
+    x = torch.zeros(run.plan.micro_batch, run.hp.seq_len, dtype=torch.long, device=run.device)
+    try:
+        with run.model.no_sync() if run.world > 1 else nullcontext():
+            with amp:
+                _, loss = run.model(x, x, loss_fn=loss_fn)
+            loss.backward()
+        return None, False
+    except Exception as e:
+        if isinstance(e, dist.DistError):
+            raise
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}", failed_in_attention(e)
+    finally:
+        run.model.zero_grad(set_to_none=True)
 
 
 def finish(run, log, clock, amp, state, guard, ema):

@@ -1,6 +1,7 @@
-"""Each SDPA backend at the event's head shape: forward + backward time, TFLOP/s and agreement with the math backend;
-then what a run on this device chooses (kernels.choose_attention) and the attention op a compiled graph calls under
-that choice (what step 0's trace bakes in).
+"""Each SDPA backend at the event's training call (kernels.AttentionCall: q, k, v laid out (B, T, H, D), SDPA given
+their transposes, as model.Attention does): forward + backward time, TFLOP/s and agreement with the math backend;
+then what a run on this device chooses (kernels.choose_attention, checked eagerly here) and the attention op a
+compiled graph calls under that choice (what step 0's trace bakes in)
 
     python bench/attention_backends.py [--device cuda] [--batch 13] [--heads 8] [--seq 1024] [--head_dim 128]
 
@@ -18,17 +19,18 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from kernels import (  # noqa: E402
     ATTENTION_BACKENDS,
     ATTENTION_TOLERANCE,
+    AttentionCall,
     attention_error,
     choose_attention,
     first_sentence,
     sdpa_with_grads,
+    training_attention,
 )
 
 
@@ -48,7 +50,8 @@ def timed_ms(backend, q, k, v, grad, reps, device):
 
 
 def compiled_ops(choice, q, k, v):
-    """The aten attention ops in the forward graph torch.compile traces under the choice; none: math, decomposed."""
+    """The aten attention ops in the forward graph torch.compile traces under the choice for the training call on these
+    (B, T, H, D) q, k, v; none: math, decomposed."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -58,11 +61,10 @@ def compiled_ops(choice, q, k, v):
         found.extend(str(n.target) for n in graph.graph.nodes if "scaled_dot_product" in str(n.target))
         return make_boxed_func(graph.forward)
 
-    def attend(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
     torch._dynamo.reset()
-    compiled = torch.compile(attend, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=False)
+    compiled = torch.compile(
+        training_attention, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=False
+    )
     with choice.active():
         compiled(*(t.detach().requires_grad_() for t in (q, k, v)))
     torch._dynamo.reset()
@@ -79,14 +81,13 @@ def main():
     parser.add_argument("--reps", type=int, default=20, help="timed forward + backward calls per backend")
     args = parser.parse_args()
     device = torch.device(args.device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    shape = (4, args.batch, args.heads, args.seq, args.head_dim)
-    q, k, v, grad = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=generator).unbind(0)
+    call = AttentionCall(args.batch, args.seq, args.heads, args.head_dim, device)
+    q, k, v, grad = call.tensors()
     flops = 6 * args.batch * args.heads * args.seq**2 * args.head_dim
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
-        f"causal SDPA forward + backward, bf16, B {args.batch} x {args.heads} heads x T {args.seq} x {args.head_dim} "
-        f"on {where}, torch {torch.__version__}, median of {args.reps}"
+        f"causal SDPA forward + backward at the training call, {call.words()}, on {where}, torch "
+        f"{torch.__version__}, median of {args.reps}"
     )
     print("| backend | ms fwd+bwd | TFLOP/s | error vs math fp32 | |")
     print("| --- | --- | --- | --- | --- |")
@@ -100,8 +101,9 @@ def main():
         verdict = "agrees" if error <= ATTENTION_TOLERANCE else f"DISAGREES (> {ATTENTION_TOLERANCE:g})"
         print(f"| {name} | {ms:.3g} | {flops / ms / 1e9:.3g} | {error:.2e} | {verdict} |")
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    choice = choose_attention("auto", args.heads, args.head_dim, args.seq, device, capability)
-    print(f"\nthe run's choice here (capability {capability}): {choice.label}")
+    cudnn = torch.backends.cudnn.version() if device.type == "cuda" else None
+    choice = choose_attention("auto", call, capability, cudnn)
+    print(f"\nthe run's choice here (capability {capability}): {choice.label}, op {choice.op}")
     for note in choice.notes:
         print(f"  {note}")
     print(f"compiled under it, the forward graph calls: {compiled_ops(choice, q, k, v)}")

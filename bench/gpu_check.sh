@@ -6,7 +6,9 @@
 #   2. the event shape end to end: a compiled bf16 train.py run of l16w1024 at the plan's micro-batch on synthetic
 #      32K-vocab data, with periodic and final validation, and its summary (the versions line and attention backend,
 #      pre-clock seconds, compile time, graphs, ranks that fell back to eager, tokens/s, MFU, the plan's forecast
-#      against the measured step); then both head-loss forms (bench/head_loss.py);
+#      against the measured step); its --profile of steps 3-5: host time per step against GPU busy time, and the
+#      attention op each compiled graph calls (bench/profile_summary.py); then both head-loss forms
+#      (bench/head_loss.py);
 #   3. per-block tokens/s, MFU, optimizer time and peak memory at micro-batch 8, 16 and 32 for l12w768 and
 #      l16w1024 with train.py's fused head + loss (bench/compile_time.py: a fresh process and an empty compile
 #      cache per row), then the cold compile time of the whole model against each block.
@@ -29,6 +31,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
     TRAIN_SHAPE="--n_layer 8 --n_head 2 --n_embd 64 --batch_size 2 --seq_len 64 --val_eval_tokens 4160"
     ATTENTION="--batch 1 --heads 2 --seq 64 --head_dim 32 --reps 3"
     HEAD_LOSS=--help  # its CPU bench takes minutes on a shared 2-core box: the smoke checks that it starts
+    PROFILE=--missing_ok  # a compile on a loaded box can leave the short run no steps 3-5 to profile
 else
     DEVICE=cuda COMPARE=l12w768 SHAPES=l12w768,l16w1024 BATCH=8,16,32 SEQ=1024 THREADS=8 TOKENS=100000000
     MODES=whole,per_block
@@ -36,6 +39,7 @@ else
     TRAIN_SHAPE="--model l16w1024 --batch_size 8 --seq_len 1024 --batch_tokens 131072"  # more steps in a minute
     ATTENTION="--batch 13 --heads 8 --seq 1024 --head_dim 128"  # the event's micro-batch and heads
     HEAD_LOSS="--parts forms --device cuda --rounds 3"  # the event's chunk, both forms, 1 and 3 targets
+    PROFILE=""
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$RESULTS"
 fi
 echo "# gpu_check $(date -u +%FT%TZ) on $DEVICE" >>"$RESULTS"
@@ -117,14 +121,18 @@ part "$(awk "BEGIN { print int($TRAIN_MIN * 60 + 90) }")" "${TRAIN_MIN}-minute c
         grep -v "s/s\]" | tail -n 6; exit $rc' \
     _ "$OUT" --data_dir "$OUT/data" $TRAIN_SHAPE --compile --device "$DEVICE" --time_limit_min "$TRAIN_MIN" \
     --val_every_min "$(awk "BEGIN { print $TRAIN_MIN / 4 }")" --checkpoint_path "$OUT/checkpoint.pt" \
-    --on_recompile fail
+    --on_recompile fail --profile
 part 20 "train.py run summary" python - "$OUT/metrics.jsonl" "$OUT/train.log" <<'EOF'
 import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
 log = open(sys.argv[2], errors="replace").read().replace("\r", "\n").splitlines() if os.path.exists(sys.argv[2]) else []
 for line in log:  # the versions line (torch, Triton, CUDA, cuDNN, NCCL, the GPU, the attention backend), kernel notes
-    if line.startswith(("torch ", "toolchain:", "attention:", "warning: Triton", "warning: compiling failed")):
+    if line.startswith(("torch ", "toolchain:", "attention:", "compile:", "warning: Triton", "warning: compiling failed",
+                        "warning: step 0 failed")):
         print(line)
+profiled = [i for i, line in enumerate(log) if line.startswith("profile: steps")]
+for line in log[profiled[0]:profiled[0] + 22] if profiled else ["profile: no window (the run ended before step 6)"]:
+    print(line)  # --profile's line and its top ops by self time
 train = [r for r in rows if "tokens_per_s" in r and "train_loss" in r]
 s = rows[-1] if rows and rows[-1].get("summary") else None
 if s is None:  # the run died before its summary: say how far it got, then fail this part
@@ -137,7 +145,8 @@ startup = s.get("startup_s")  # the pre-clock seconds, where the summary has the
 print("| attention | start-up s | compile s | graphs (planned) | eager ranks | eager runs | rollbacks | "
       "tokens/s (steady) | MFU (bf16 peak) | peak mem GiB | steps | train loss | val loss |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-print(f"| {s.get('attention')} | {'n/a' if startup is None else f'{startup:.1f}'} | {s['compile_s']:.1f} | "
+print(f"| {s.get('attention')}, op {s.get('attention_op')} | {'n/a' if startup is None else f'{startup:.1f}'} | "
+      f"{s['compile_s']:.1f} | "
       f"{s['compiled_graphs']} ({s['planned_graphs']}) | {s.get('compile_fallback_ranks') or 'none'} | "
       f"{s['eager_runs']} | {len(s['rollbacks'])} | {tok:,.0f} | {mfu:.1%} | {s['peak_mem_gib']} | {s['steps']} | "
       f"{train[-1]['train_loss']:.3f} | {s['val_loss']:.3f} |")
@@ -148,6 +157,9 @@ print("| --- | --- | --- | --- | --- |")
 print(f"| {plan['tokens_per_step']:,} | {plan['micro_batch']} x {s['grad_accum_steps']} | {1e3 * plan['step_s']:.1f} | "
       f"{step_ms:.1f} | {step_ms / (1e3 * plan['step_s']):.2f} |")
 EOF
+# shellcheck disable=SC2086
+part 20 "profile of steps 3-5: host time per step against GPU busy time; the attention op each compiled graph calls" \
+    python bench/profile_summary.py "$OUT/metrics.trace.json" $PROFILE
 # the head's loss, both forms (bench/head_loss.py)
 # shellcheck disable=SC2086
 part 60 "head + loss: the in-place and functional chunk loss at the event's chunk" python bench/head_loss.py $HEAD_LOSS

@@ -27,6 +27,8 @@ SCRIPTS = [
     "bench/ns_error.py",
     "bench/attention_backends.py",
     "bench/host_share.py",
+    "bench/zero_grad.py",
+    "bench/profile_summary.py",
 ]
 
 

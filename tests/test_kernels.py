@@ -1,23 +1,29 @@
 """The kernels chosen before the clock (kernels.py): the attention backend on every compute capability, its check
 against math and the fallback, the ptxas a B300 needs; the versions line; a compile failure on any rank, named."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
+import launch
 import ranks
+import report
 from conftest import LONG_BUDGET, ROOT, TINY, child_env, command, on_tokens, read_metrics
 
 CPU = torch.device("cpu")
-HEADS = dict(n_head=8, head_dim=128, seq_len=64)  # the event's heads, a short sequence
+CALL = kernels.AttentionCall(batch=2, seq_len=64, n_head=8, head_dim=128, device=CPU)  # the event's heads, shorter
 ORDER = ("cudnn", "flash", "efficient", "math")
+CUDNN_OK, CUDNN_OLD = 91501, 91002  # above torch's own rule for preferring cuDNN attention (9.15.0), and below it
 
 
 def sdp_state():
@@ -33,7 +39,7 @@ def backends(monkeypatch):
     "wrong"} sets how a backend misbehaves."""
     real, behaviour = kernels.sdpa_with_grads, {}
 
-    def run(backend, q, k, v, grad):
+    def run(backend, q, k, v, grad, compiled=False):
         name = {b: n for n, b in kernels.ATTENTION_BACKENDS.items()}[backend]
         if behaviour.get(name) == "error":
             raise RuntimeError(f"{name} kernel: no plan for this shape.\nmore detail")
@@ -44,62 +50,138 @@ def backends(monkeypatch):
     return behaviour
 
 
-@pytest.mark.parametrize("capability", [(10, 3), (10, 0)])
-def test_auto_puts_cudnn_first_on_capability_10(backends, capability):
-    choice = kernels.choose_attention("auto", **HEADS, device=CPU, capability=capability)
-    assert choice.backends == ORDER and choice.ordered and choice.name == "cudnn" and not choice.notes
-    assert choice.label == "cudnn (first of cudnn > flash > efficient > math; checked against math)"
+class FlashFailsStrided(TorchDispatchMode):
+    """The CPU flash kernel, forward and backward, failing on q, k, v laid out as training lays them out (transposed
+    views), as a kernel whose bug depends on strides would; contiguous ones run. Records what each call received."""
+
+    def __init__(self, fail=True):
+        super().__init__()
+        self.fail, self.seen = fail, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "_scaled_dot_product_flash_attention_for_cpu" in str(func):
+            q = args[0] if "backward" not in str(func) else args[1]
+            self.seen.append((str(func), tuple(q.shape), q.stride()))
+            if self.fail and not q.is_contiguous():
+                raise RuntimeError("flash kernel: no plan for these strides")
+        return func(*args, **(kwargs or {}))
+
+
+def test_auto_puts_cudnn_first_on_capability_10_where_torchs_own_rule_would(backends):
+    for capability in ((10, 3), (10, 0)):
+        choice = kernels.choose_attention("auto", CALL, capability, CUDNN_OK)
+        assert choice.backends == ORDER and choice.ordered and choice.name == "cudnn" and choice.op == "flash"  # CPU's
+        assert choice.label == "cudnn (first of cudnn > flash > efficient > math; checked against math)"
+        rule, timed = choice.notes
+        assert rule == "attention: cuDNN 9.15.1 is above 9.15.0, where torch's own rule prefers cuDNN: first"
+        assert timed.startswith(
+            "attention: checked cudnn at the training call (2 x 64 x 8 x 128 (B, T, H, D) bfloat16, eager) against "
+            "math in "
+        )
+
+
+@pytest.mark.parametrize("cudnn", [CUDNN_OLD, 91500, None])
+def test_auto_leaves_cudnn_out_at_or_below_cudnn_9_15_0_and_says_so(backends, cudnn):
+    choice = kernels.choose_attention("auto", CALL, (10, 3), cudnn)
+    assert choice.backends == ("flash", "efficient", "math") and choice.name == "flash"
+    assert choice.notes[0].startswith(f"attention: cuDNN {kernels.cudnn_release(cudnn)} is not above 9.15.0, below")
+    assert choice.notes[0].endswith("cudnn left out, --attention cudnn forces it")
+    assert kernels.cudnn_release(CUDNN_OLD) == "9.10.2" and kernels.cudnn_release(None) == "none"
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), None])
 def test_auto_keeps_torchs_pick_elsewhere_and_names_it(backends, capability):
-    choice = kernels.choose_attention("auto", **HEADS, device=CPU, capability=capability)
-    assert choice.backends == () and choice.name == "flash" and choice.label == "flash (torch's pick)"  # CPU's pick
+    choice = kernels.choose_attention("auto", CALL, capability, CUDNN_OK)
+    assert choice.backends == () and choice.name == choice.op == "flash" and choice.label == "flash (torch's pick)"
 
 
 def test_a_backend_that_errors_or_disagrees_with_math_is_passed_over_and_said(backends):
     backends.update(cudnn="error", flash="wrong")
-    choice = kernels.choose_attention("auto", **HEADS, device=CPU, capability=(10, 3))
+    choice = kernels.choose_attention("auto", CALL, (10, 3), CUDNN_OK)
     assert choice.backends == ("efficient", "math") and choice.ordered and choice.name == "efficient"
-    cudnn, flash = choice.notes
+    _, cudnn, flash, timed = choice.notes
     assert cudnn == (
         "attention: cudnn fails its check (it does not run here: cudnn kernel: no plan for this shape); "
         "trying the next backend"
     )
     assert "flash fails its check (it disagrees with the math backend: relative error 0.1 > 0.02)" in flash
+    assert "checked cudnn, flash, efficient at the training call" in timed
     backends.update(efficient="wrong")
-    assert kernels.choose_attention("auto", **HEADS, device=CPU, capability=(10, 3)).backends == ("math",)
+    assert kernels.choose_attention("auto", CALL, (10, 3), CUDNN_OK).backends == ("math",)
 
 
 def test_the_check_runs_the_real_kernels_on_cpu_flash_passes_and_cudnn_cannot_run():
-    choice = kernels.choose_attention("auto", **HEADS, device=CPU, capability=(10, 3))
-    assert choice.backends == ("flash", "efficient", "math")
-    assert choice.notes[0].startswith("attention: cudnn fails its check (it does not run here: No viable backend")
-    q, k, v, grad = torch.randn(4, 1, 8, 64, 128, dtype=torch.bfloat16).unbind(0)
+    choice = kernels.choose_attention("auto", CALL, (10, 3), CUDNN_OK)
+    assert choice.backends == ("flash", "efficient", "math") and choice.op == "flash"
+    assert choice.notes[1].startswith("attention: cudnn fails its check (it does not run here: No viable backend")
+    q, k, v, grad = CALL.tensors()
     error = kernels.attention_error(SDPBackend.FLASH_ATTENTION, q, k, v, grad)
     assert 1e-3 < error < kernels.ATTENTION_TOLERANCE / 2  # bf16 rounding, well inside the tolerance
+
+
+def test_the_check_gives_sdpa_the_training_layout_and_batch_and_passes_over_a_backend_that_fails_only_there():
+    call = kernels.AttentionCall(batch=3, seq_len=16, n_head=2, head_dim=8, device=CPU)
+    with FlashFailsStrided(fail=False) as mode:
+        kernels.choose_attention("flash", call, None)
+    # what model.Attention gives SDPA: (B, H, T, D) transposes of (B, T, H, D) tensors, at the plan's micro-batch
+    assert {(shape, stride) for _, shape, stride in mode.seen} == {((3, 2, 16, 8), (16 * 2 * 8, 8, 2 * 8, 1))}
+    assert len(mode.seen) == 2  # forward and backward
+    with FlashFailsStrided():
+        choice = kernels.choose_attention("auto", call, (10, 3), CUDNN_OK)
+        with pytest.raises(ValueError, match=r"^--attention flash fails its check .*flash kernel: no plan for these"):
+            kernels.choose_attention("flash", call, None)
+    assert choice.backends == ("math",)  # flash failed at the training layout; efficient has no CPU kernel
+    assert choice.notes[2] == (
+        "attention: flash fails its check (it does not run here: flash kernel: no plan for these strides); trying "
+        "the next backend"
+    )
+
+
+@pytest.mark.slow
+def test_a_compiled_run_checks_the_compiled_call_and_keeps_no_graph_of_it(monkeypatch):
+    """The check compiles as training does: a failure inductor alone makes (its lowering of the op) fails it, and the
+    check's graphs are not counted as the run's (report.compiled_graphs)."""
+    from torch._inductor import lowering
+
+    call = kernels.AttentionCall(batch=2, seq_len=16, n_head=2, head_dim=8, device=CPU, compiled=True)
+    before = report.compiled_graphs()
+    choice = kernels.choose_attention("flash", call, None)
+    assert choice.op == "flash" and "eager" not in choice.notes[0] and "compiled) against math" in choice.notes[0]
+    assert report.compiled_graphs() == before
+
+    def cannot_lower(*args, **kwargs):
+        raise RuntimeError("flash attention: no lowering for this layout")
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    monkeypatch.setitem(lowering.lowerings, op, cannot_lower)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a cached graph would skip the lowering
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    with pytest.raises(ValueError, match="flash attention: no lowering for this layout"):
+        kernels.choose_attention("flash", call, None)
+    kernels.choose_attention("flash", dataclasses.replace(call, compiled=False), None)  # eager still runs
+    assert report.compiled_graphs() == before
 
 
 def test_without_set_priority_auto_says_torchs_pick_and_changes_nothing(backends, monkeypatch):
     assert kernels.has_set_priority()  # this torch has it
     monkeypatch.setattr(kernels, "has_set_priority", lambda: False)
-    choice = kernels.choose_attention("auto", **HEADS, device=CPU, capability=(10, 3))
+    choice = kernels.choose_attention("auto", CALL, (10, 3), CUDNN_OK)
     assert choice.backends == () and choice.name == "flash"
     assert choice.label == "flash (torch's pick: this torch's sdpa_kernel cannot set a priority)"
-    forced = kernels.choose_attention("efficient", **HEADS, device=CPU, capability=(10, 3))
+    forced = kernels.choose_attention("efficient", CALL, (10, 3), CUDNN_OK)
     assert forced.backends == ("efficient",) and not forced.ordered  # a forced one is still restricted to
 
 
 def test_a_forced_backend_is_checked_and_one_that_fails_is_one_sentence(backends):
-    choice = kernels.choose_attention("cudnn", **HEADS, device=CPU, capability=(9, 0))
+    choice = kernels.choose_attention("cudnn", CALL, (9, 0), CUDNN_OLD)  # forced: whatever torch's own rule says
     assert (
         choice.backends == ("cudnn",) and not choice.ordered and choice.label == "cudnn (forced, checked against math)"
     )
     backends.update(cudnn="error", flash="wrong")
-    with pytest.raises(ValueError, match=r"^--attention cudnn fails its check at this run's head shape \(it does not"):
-        kernels.choose_attention("cudnn", **HEADS, device=CPU, capability=(9, 0))
+    with pytest.raises(ValueError, match=r"^--attention cudnn fails its check at this run's training call \(it does"):
+        kernels.choose_attention("cudnn", CALL, (9, 0))
     with pytest.raises(ValueError, match=r"disagrees with the math backend: relative error 0\.1 > 0\.02\); force"):
-        kernels.choose_attention("flash", **HEADS, device=CPU, capability=None)
+        kernels.choose_attention("flash", CALL, None)
 
 
 def test_the_choice_is_active_only_inside_its_context():
@@ -115,12 +197,36 @@ def test_the_choice_is_active_only_inside_its_context():
     assert sdp_state() == before
 
 
+def test_a_switch_after_step_0_holds_until_the_runs_context_ends():
+    before = sdp_state()
+    with kernels.priority_choice(ORDER, call=CALL).active():
+        rest = kernels.next_attention(kernels.priority_choice(ORDER[1:], call=CALL))
+        assert rest.backends == ("math",) and rest.op == "math"  # efficient has no CPU kernel: its check fails
+        assert rest.notes[0].startswith("attention: efficient fails its check (it does not run here")
+        assert kernels.switch_attention(rest) is rest and sdp_state()[1] == (False, False, False, True)
+        assert kernels.next_attention(rest) is None  # nothing after math
+    assert sdp_state() == before
+
+
+def test_only_an_attention_failure_moves_step_0_down_the_backends():
+    try:
+        raise RuntimeError("cuDNN Frontend error: No execution plans support the graph")
+    except RuntimeError as inner:
+        try:
+            raise RuntimeError("backend='inductor' raised:") from inner
+        except RuntimeError as outer:
+            assert kernels.failed_in_attention(outer)
+    for text in ("CppCompileError: C++ compile error", "PTXASError: ptxas fatal: sm_103a", "out of memory"):
+        assert not kernels.failed_in_attention(RuntimeError(text))
+    assert not kernels.failed_in_attention(RuntimeError("triton kernel for _scaled_dot_product_cudnn_attention"))
+
+
 def test_a_graph_compiled_under_the_choice_bakes_in_its_kernel():
     """Why the choice must hold when step 0 traces: the compiled graph calls the kernel the context allowed then."""
     sys.path.insert(0, str(ROOT / "bench"))
     import attention_backends
 
-    q, k, v = torch.randn(3, 1, 2, 32, 16, dtype=torch.bfloat16).unbind(0)
+    q, k, v = torch.randn(3, 1, 32, 2, 16, dtype=torch.bfloat16).unbind(0)
     before = sdp_state()
     flash = attention_backends.compiled_ops(kernels.AttentionChoice("flash", "flash (torch's pick)"), q, k, v)
     assert flash == "aten._scaled_dot_product_flash_attention_for_cpu.default"
@@ -181,17 +287,26 @@ def test_ptxas_version_reads_the_release_or_nothing(machine, tmp_path):
     ]
 
 
-def test_a_b300_with_an_old_triton_is_pointed_at_the_first_cuda_12_9_ptxas(machine):
+def test_a_b300_with_an_old_triton_is_pointed_at_cuda_12_9s_ptxas_as_triton_itself_would(machine):
     env = dict(machine.env)
     said = kernels.point_triton_at_ptxas((10, 3), "3.5.1", env, machine.glob)
-    assert env["TRITON_PTXAS_PATH"] == machine.new  # CUDA_HOME's 12.8 is too old; the newest folder comes next
+    assert env["TRITON_PTXAS_PATH"] == machine.old  # CUDA_HOME's 12.8 is too old; 13.0 is looked at first, 12.9 wins
     assert said == (
-        f"toolchain: Triton 3.5.1's own ptxas cannot assemble for sm_103; compiling with {machine.new} (CUDA 13.0) "
-        f"through TRITON_PTXAS_PATH"
+        f"toolchain: Triton 3.5.1's own ptxas cannot assemble for sm_103; compiling with {machine.old} (CUDA 12.9, "
+        f"the one Triton itself pins for sm_100/sm_103) through TRITON_PTXAS_PATH"
     )
     env = {"PATH": f"{machine.env['PATH']}:{os.path.dirname(machine.old)}"}
     assert "CUDA 12.9" in kernels.point_triton_at_ptxas((10, 3), "3.4.0", env, "/nowhere*")
     assert env["TRITON_PTXAS_PATH"] == machine.old  # PATH's garbage skipped, its 12.9 taken
+
+
+def test_without_a_cuda_12_9_the_oldest_newer_ptxas_is_taken_and_said(tmp_path):
+    newest, older = (fake_ptxas(tmp_path / f"local/cuda-{v}", release_line(v)) for v in ("13.1", "13.0"))
+    env = {"PATH": os.path.dirname(newest)}  # 13.1 is looked at first, on PATH and in the folders
+    said = kernels.point_triton_at_ptxas((10, 3), "3.5.1", env, str(tmp_path / "local" / "cuda*"))
+    assert env["TRITON_PTXAS_PATH"] == older
+    assert f"compiling with {older} (CUDA 13.0, none of CUDA 12.9, which Triton itself pins" in said
+    assert said.endswith("is here: it needs a CUDA 13.0+ driver) through TRITON_PTXAS_PATH")
 
 
 def test_no_usable_ptxas_is_one_warning_and_nothing_set(machine):
@@ -216,6 +331,38 @@ def test_nothing_to_do_leaves_the_environment_alone(machine, capability, triton,
     env = {**machine.env, **({"TRITON_PTXAS_PATH": preset} if preset else {})}
     before = dict(env)
     assert kernels.point_triton_at_ptxas(capability, triton, env, machine.glob) is None and env == before
+
+
+def test_inductors_compile_workers_are_the_cpus_per_rank_unless_the_user_set_them():
+    env = {"LOCAL_WORLD_SIZE": "8"}
+    said = ranks.cap_compile_workers(env, compiling=True, cpus=240)
+    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "30"
+    assert said == "compile: 30 inductor compile worker(s) per rank (240 CPUs visible / 8 rank(s) on this node)"
+    for env, cpus, workers in (({}, 240, "32"), ({"LOCAL_WORLD_SIZE": "8"}, 4, "1"), ({}, 2, "2")):
+        ranks.cap_compile_workers(env, compiling=True, cpus=cpus)
+        assert env["TORCHINDUCTOR_COMPILE_THREADS"] == workers  # inductor's own cap, at least one
+    mine = {"TORCHINDUCTOR_COMPILE_THREADS": "4", "LOCAL_WORLD_SIZE": "8"}
+    assert (
+        ranks.cap_compile_workers(mine, compiling=True, cpus=240) is None
+        and mine["TORCHINDUCTOR_COMPILE_THREADS"] == "4"
+    )
+    assert ranks.cap_compile_workers({}, compiling=False, cpus=240) is None
+
+
+def test_tf32_is_set_so_that_torchs_legacy_and_new_readers_agree(monkeypatch):
+    """The form set must leave both of torch's TF32 states consistent: the new one alone makes every later reader of
+    the legacy one (inductor's among them) raise "mix of the legacy and new APIs"."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            launch.allow_tf32_matmuls()
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32" and torch.backends.cuda.matmul.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high"  # raises after the new form alone
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+    assert before in ("none", "ieee") and torch.backends.cuda.matmul.fp32_precision == "ieee"
 
 
 # ----------------------------------------------------------------------------- the versions line, ranks named
@@ -297,10 +444,63 @@ def test_a_forced_backend_holds_for_training_and_validation_and_one_that_cannot_
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "error: --attention cudnn fails its check at this run's head shape (it does not run here: No viable backend "
+        "error: --attention cudnn fails its check at this run's training call (it does not run here: No viable backend "
         "for scaled_dot_product_attention was found); force another backend or leave --attention auto"
     ]
     assert not list(refused.iterdir())  # nothing written
+
+
+CHECK_RECORDER = f"""
+import json, os, sys
+sys.path.insert(0, {str(ROOT)!r})
+import train
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class Flash(TorchDispatchMode):  # records what the CPU flash kernel gets; fails it on strided inputs if asked
+    seen = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "_scaled_dot_product_flash_attention_for_cpu" in str(func):
+            q = args[1] if "backward" in str(func) else args[0]
+            self.seen.append([list(q.shape), list(q.stride())])
+            if os.environ.get("FAIL_STRIDED") and not q.is_contiguous():
+                raise RuntimeError("flash kernel: no plan for these strides")
+        return func(*args, **(kwargs or {{}}))
+
+before_the_clock = Flash()
+before_the_clock.__enter__()
+train_loop = train.train
+def after_the_checks(run):
+    before_the_clock.__exit__(None, None, None)
+    print(json.dumps({{"seen": Flash.seen, "micro_batch": run.plan.micro_batch}}), flush=True)
+    return train_loop(run)
+train.train = after_the_checks
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_the_check_before_the_clock_is_the_training_call_and_refuses_a_backend_that_fails_only_there(
+    tmp_path, token_dir
+):
+    args = [*on_tokens(token_dir), *TINY, "--max_steps", "1", *LONG_BUDGET, "--attention", "flash"]
+    script = [sys.executable, "-c", CHECK_RECORDER, *args]
+    proc = subprocess.run(script, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"seen"')))
+    micro, seq, heads, head_dim = said["micro_batch"], 32, 2, 32  # TINY: seq_len 32, 2 heads of 64 / 2
+    assert micro == 8 and len(said["seen"]) == 2  # the check's forward and backward, at the plan's micro-batch
+    assert (
+        said["seen"] == [[[micro, heads, seq, head_dim], [seq * heads * head_dim, head_dim, heads * head_dim, 1]]] * 2
+    )
+    failing = tmp_path / "failing"
+    failing.mkdir()
+    env = {**child_env(), "FAIL_STRIDED": "1"}
+    proc = subprocess.run(script, cwd=failing, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --attention flash fails its check at this run's training call (it does not run here: flash kernel: no "
+        "plan for these strides); force another backend or leave --attention auto"
+    ]
+    assert not list(failing.iterdir())  # refused before anything was written, let alone the clock
 
 
 RANK1_CANNOT_COMPILE = f"""
@@ -332,3 +532,48 @@ def test_a_compile_failure_on_rank_1_alone_is_named_on_rank_0_and_counted(tmp_pa
     _, _, summary = read_metrics(tmp_path / "metrics.jsonl")
     assert summary["compile_fallback_ranks"] == [1] and "C++ compiler" in summary["compile_fallback"]
     assert summary["steps"] == 2 and summary["compiled_graphs"] == summary["planned_graphs"]  # rank 0 compiled
+
+
+STEP0_FAILS_IN_FLASH_ON_RANK_1 = f"""
+import os, sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch, launch, train
+
+choose = launch.choose_attention
+def as_on_a_b300(forced, call, capability, cudnn):  # cuDNN first; on CPU its check fails and flash's passes
+    return choose(forced, call, (10, 3), 91501)
+launch.choose_attention = as_on_a_b300
+
+loop, kernel = train.train, []
+def flash_fails_from_step_0_on_rank_1(run):  # after the checks: as a kernel whose failure they could not see
+    if os.environ["RANK"] == "1":
+        kernel.append(torch.library.Library("aten", "IMPL"))
+        def fails(*args, **kwargs):
+            raise RuntimeError("flash attention kernel failed: no kernel image is available for this layout")
+        kernel[0].impl("_scaled_dot_product_flash_attention_for_cpu", fails, "CPU")
+    return loop(run)
+train.train = flash_fails_from_step_0_on_rank_1
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_a_step_0_failure_inside_attention_on_one_rank_moves_every_rank_down_the_backends_compiled(tmp_path, token_dir):
+    script = tmp_path / "flash_fails_on_rank_1.py"
+    script.write_text(STEP0_FAILS_IN_FLASH_ON_RANK_1)
+    args = [*on_tokens(token_dir), *TINY, "--compile", "--max_steps", "2", *LONG_BUDGET, "--log_every_s", "0"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = subprocess.run(
+        [*torchrun, *args], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "| attention flash (first of flash > efficient > math; checked against math), op flash" in proc.stdout
+    assert "rank 1: step 0 failed inside attention flash (RuntimeError: flash attention kernel failed" in proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "step 0 failed inside attention" in line]
+    assert len(said) == 1 and said[0].startswith("warning: step 0 failed inside attention flash on rank 1 of 2 (")
+    assert said[0].endswith("every rank compiles again under math (first of math; checked against math), op math")
+    assert "attention: efficient fails its check (it does not run here" in proc.stdout  # no CPU kernel: passed over
+    assert "compiling failed at the first step" not in proc.stdout  # no rank went eager
+    _, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["attention"] == summary["attention_op"] == "math" and summary["compile_fallback_ranks"] == []
+    assert summary["steps"] == 2 and summary["compiled_graphs"] == summary["planned_graphs"]  # flash's forgotten

@@ -172,16 +172,29 @@ def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(
     assert held == P.snapshot_bytes(P.shape_costs(shape, 512, 32), muon=use_muon) + counters
 
 
+def test_ddps_buckets_are_counted_with_several_ranks_only(event_plan):
+    """DDP's fp32 gradient buckets: a fifth copy of the parameters with several ranks (a step's first micro-steps make
+    fresh gradients beside them while .grad is None), none on one rank, where there is no DDP."""
+    costs = P.shape_costs(P.shape_config("l16w1024"), 32000, 1024)
+    kwargs = dict(micro_batch=13, seq_len=1024, bf16=True, kind="cuda")
+    shape = P.shape_config("l16w1024")
+    ranks = [P.memory_needed(costs, shape, world_size=w, **kwargs) for w in (1, 2, 32)]
+    transient = [P.transient_bytes(costs, 13 * 1024, "cuda", w) for w in (1, 2, 32)]
+    assert ranks[1] - transient[1] == ranks[0] - transient[0] + 4 * costs["params"]  # 2.1 GB at 529M parameters
+    assert ranks[2] == ranks[1]
+
+
 def test_the_event_plan_counts_transients_and_says_where_the_snapshots_go(event_plan):
-    """At the event's plan (micro 19, 32 ranks), the review's parts on top of state and activations: the head's chunk
-    buffers, the tables' per-micro-step gradients, the hook's copies of the bigram bucket, Muon's gather."""
+    """At the event's plan (micro 19, 32 ranks), the review's parts on top of state and activations: DDP's fp32
+    gradient buckets, the head's chunk buffers, the tables' per-micro-step gradients, the hook's copies of the bigram
+    bucket, Muon's gather."""
     plan, _ = event_plan(model="l16w1024")
     costs = P.shape_costs(P.shape_config("l16w1024"), 32000, 1024)
     tokens = plan.micro_batch * 1024
     before = costs["params"] * 16 + tokens * (34 * 16 + 2 * costs["n_tables"]) * 1024 * 2  # the forecast until now
     rows = P.chunk_rows(tokens, 32000, 512 << 20)
     head = 4 * rows * 32000 * 4 + (32000 + tokens) * 1024 * 4
-    parts = head + 4 * costs["table_params"] + 6 * 163_840_000 + 2 * costs["muon_params"]
+    parts = 4 * costs["params"] + head + 4 * costs["table_params"] + 6 * 163_840_000 + 2 * costs["muon_params"]
     assert (plan.micro_batch, rows) == (19, 2432) and plan.memory_gib * 2**30 == before + parts
     assert plan.snapshot_gib * 2**30 == 2 * P.snapshot_bytes(costs, muon=True)
     assert plan.snapshots_on_device and plan.line().endswith("GiB of rollback snapshots on it")

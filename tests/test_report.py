@@ -3,6 +3,8 @@
 behind after a bound."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -10,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 import report
+from conftest import LONG_BUDGET, ROOT, TINY, on_tokens, read_metrics, run_train
 from report import Logger, MetricsFile, close_metrics
 
 
@@ -96,3 +99,55 @@ def test_a_full_disk_is_said_once_and_rows_after_it_are_dropped_without_stalling
         log.emit(row)
     close_metrics(run)
     assert len(said) == 1 and said[0].startswith("warning: cannot write m.jsonl (No space left on device)")
+
+
+# ----------------------------------------------------------------------------- --profile
+
+
+def test_a_profiled_window_counts_its_overhead_and_the_export_as_paused(tmp_path):
+    """The clock measures steps without the profiler's cost: each profiled step's time beyond the clock's forecast,
+    and the export, are paused time; steps outside the window cost nothing."""
+    said = []
+    hp = SimpleNamespace(metrics_path=str(tmp_path / "metrics.jsonl"))
+    run = SimpleNamespace(hp=hp, device=torch.device("cpu"), say=said.append)
+    profile = report.StepProfile(run, SimpleNamespace(step_s=0.01))
+    state = SimpleNamespace(step=0, paused=0.0)
+    for step in range(8):
+        profile.begin(step)
+        if report.PROFILE_FROM <= step:
+            time.sleep(0.05)  # a profiled step 0.04 s slower than the forecast
+        torch.ones(8) @ torch.ones(8)
+        state.step += 1
+        profile.end(state)
+        if step < report.PROFILE_FROM:
+            assert state.paused == 0.0 and profile.profiler is None
+    profile.close(state)  # after the window closed itself: nothing more
+    assert state.paused >= 3 * 0.04 and len(said) == 1
+    assert said[0].startswith(
+        f"profile: steps 3-5 in {tmp_path / 'metrics.trace.json'} (open it in https://ui.perfetto"
+    )
+    events = json.loads((tmp_path / "metrics.trace.json").read_text())["traceEvents"]
+    assert {"step 3", "step 4", "step 5", "aten::dot"} <= {e.get("name") for e in events}
+    assert "step 6" not in {e.get("name") for e in events}
+
+
+def test_profile_writes_a_trace_of_the_steps_ops_and_says_the_top_ones(tmp_path, token_dir):
+    args = [*on_tokens(token_dir), *TINY, "--max_steps", "7", *LONG_BUDGET, "--log_every_s", "0", "--profile"]
+    proc, _ = run_train(args, tmp_path)
+    trace = json.loads((tmp_path / "metrics.trace.json").read_text())  # what Perfetto and chrome://tracing open
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert {"step 3", "step 4", "step 5"} <= names and "step 2" not in names and "step 6" not in names
+    assert {"aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"} <= names  # the forward's
+    assert any(name.startswith("autograd::engine::evaluate_function") for name in names)  # the backward's
+    assert any(name.startswith("Optimizer.step#") for name in names)  # the optimizers'
+    assert "profile: steps 3-5 in" in proc.stdout and "Self CPU" in proc.stdout  # the top-ops table
+    summary = subprocess.run(
+        [sys.executable, str(ROOT / "bench/profile_summary.py"), str(tmp_path / "metrics.trace.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # what bench/gpu_check.sh reports from it: each step's times, the compiled graphs' attention (none: eager)
+    assert summary.returncode == 0 and "| step 4 |" in summary.stdout and "no CUDA activity |" in summary.stdout
+    assert "| (no compiled graph: an eager run) | | |" in summary.stdout
+    _, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["steps"] == 7

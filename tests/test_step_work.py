@@ -286,12 +286,15 @@ def ddp_worker(rank, world_size, port):
     try:
         torch.manual_seed(0)
         model = get_model(SMALL)
+        torch.manual_seed(0)
+        twin = get_model(SMALL)  # the reference's: its backward passes leave model's .grad alone
         ddp = DDP(model, gradient_as_bucket_view=True)  # as launch.build_model wraps it
         adamw = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-        layouts = record_layouts(model)
-        for step in range(2):
+        layouts, bucket_views = record_layouts(model), []
+        for step in range(3):
             batches = micro_batches(3, seed=10 * step + rank)
-            reference = dense_sum(model, batches)
+            twin.load_state_dict(model.state_dict())
+            reference = dense_sum(twin, batches)
             for name, grad in reference.items():
                 dist.all_reduce(grad)
                 grad /= world_size
@@ -299,11 +302,18 @@ def ddp_worker(rank, world_size, port):
             for micro, (x, y) in enumerate(batches):
                 with ddp.no_sync() if micro < len(batches) - 1 else nullcontext():
                     ddp(x, y)[1].backward()
-            assert layouts["bigram.weight"] == [torch.strided, torch.sparse_coo, torch.sparse_coo]
+                if micro == 0 and step == 2:  # kept by zero_grad: the first micro-step added into the buckets
+                    assert [p.grad.data_ptr() for p in model.parameters()] == bucket_views
+            # step 0 starts without .grad (dense first); later steps with the kept, zeroed ones (all sparse)
+            first = torch.strided if step == 0 else torch.sparse_coo
+            assert layouts["bigram.weight"] == [first, torch.sparse_coo, torch.sparse_coo]
             for name, p in model.named_parameters():
                 torch.testing.assert_close(p.grad, reference[name], rtol=1e-5, atol=1e-7)
+            # .grad are views of DDP's buckets now; it rebuilds them once, in step 1's forward (in the order step 0's
+            # gradients came), so from step 1's sync on they stay where they are
+            bucket_views = [p.grad.data_ptr() for p in model.parameters()]
             adamw.step()  # fused AdamW takes the dense .grad
-            model.zero_grad(set_to_none=True)  # train.py's, after every optimizer step
+            model.zero_grad(set_to_none=False)  # train.py's, after every optimizer step with several ranks
     finally:
         dist.destroy_process_group()
     os._exit(0)
@@ -311,8 +321,9 @@ def ddp_worker(rank, world_size, port):
 
 @pytest.mark.slow
 def test_sparse_table_gradients_under_ddp_no_sync_and_bucket_views():
-    """2 gloo ranks, DDP with gradient_as_bucket_view, two optimizer steps of 3 micro-steps (no_sync on the first
-    two): every gradient equals the ranks' mean of the dense per-micro-step sums, and the optimizer steps."""
+    """2 gloo ranks, DDP with gradient_as_bucket_view, three optimizer steps of 3 micro-steps (no_sync on the first
+    two), the gradients zeroed in place between them as train.py does with several ranks: every gradient equals the
+    ranks' mean of the dense per-micro-step sums, and stays a view of DDP's bucket from the first sync on."""
     mp.spawn(ddp_worker, args=(2, free_port()), nprocs=2)
 
 
