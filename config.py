@@ -39,7 +39,9 @@ class Hyperparameters:
     concrete in the annotated type (None: the plan decides), once, for the run and for --dry_run alike."""
 
     # --- the organizers' flag names, kept verbatim ---
-    data_dir: str | None = flag("auto", "chunk_*.bin token folder; auto: /home/data if present, else synthetic data")
+    data_dir: str | None = flag(
+        "auto", "token folder (chunk_*.bin or *_train_*.bin); auto: /home/data if present, else synthetic data"
+    )
     checkpoint_path: str = flag("checkpoint.pt", "written at start, every --save_every_min, on SIGTERM and at the end")
     seq_len: int = flag(1024, "training window in tokens", **POSITIVE)
     vocab_size: int = flag(

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -32,7 +33,7 @@ from windows import BOS_ID, HEADER_BYTES, LLMC_HEADERS, RAW_DTYPES
 KINDS = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 BATCH_CHARS = 1 << 20  # text per tokenizing task: ~250K ids, large enough that sending it costs little
 MAX_CHUNKS = 9999  # chunk_NNNN.bin: beyond it, name order would no longer be file order
-WORKER = {}  # the tokenizer of a worker process, loaded once by _start_worker
+WORKER = {}  # a worker process's tokenizer and document marker, set once by _start_worker
 
 
 def input_files(inputs):
@@ -148,26 +149,30 @@ def batches(docs):
         yield batch
 
 
-def _start_worker(tokenizer_path):
+def _start_worker(tokenizer_path, marker):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: --workers is the parallelism
-    WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
+    WORKER.update(tokenizer=load_tokenizer(tokenizer_path), marker=marker)
 
 
 def _encode(texts):
-    """Each text's ids, on a worker (or in this process with one worker), one text at a time."""
-    tokenizer = WORKER["tokenizer"]
-    return [tokenizer.encode(text) for text in texts]
+    """[marker] + each text's ids, all in one uint32 array, and each document's length: arrays, not lists of ints,
+    cross from a worker cheaply."""
+    tokenizer, marker = WORKER["tokenizer"], WORKER["marker"]
+    docs = [[marker, *tokenizer.encode(text)] for text in texts]
+    lengths = np.array([len(doc) for doc in docs], dtype=np.int64)
+    return np.fromiter(itertools.chain.from_iterable(docs), dtype=np.uint32, count=int(lengths.sum())), lengths
 
 
-def encoded(batch_stream, tokenizer_path, workers):
-    """(batch, its documents' ids) in order, tokenized on workers processes with at most 2 batches each in flight."""
+def encoded(batch_stream, tokenizer_path, marker, workers):
+    """(batch, its documents' ids as _encode gives them) in order, tokenized on workers processes with at most 2
+    batches each in flight."""
     if workers == 1:
-        _start_worker(tokenizer_path)
+        _start_worker(tokenizer_path, marker)
         for batch in batch_stream:
             yield batch, _encode([text for _, text, _ in batch])
         return
     # spawn, not fork: nothing of this process (threads, a tokenizer's thread pool) is copied into the workers
-    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer_path,)) as pool:
+    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer_path, marker)) as pool:
         pending = collections.deque()
         for batch in batch_stream:
             pending.append((batch, pool.apply_async(_encode, ([text for _, text, _ in batch],))))
@@ -343,13 +348,13 @@ def write_tokens(files, sources, tokenizer_path, marker, writer, options, progre
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="prepare", disable=None if progress is None else not progress
     ) as bar:
-        for batch, ids_of_batch in encoded(stream, tokenizer_path, options.workers):
-            for (index, text, size), ids in zip(batch, ids_of_batch):
+        for batch, (flat, lengths) in encoded(stream, tokenizer_path, marker, options.workers):
+            for (index, text, size), end, length in zip(batch, np.cumsum(lengths), lengths):
                 bar.update(size)
                 if not text.strip():
                     docs["empty"] += 1
                     continue
-                ids = np.array([marker, *ids], dtype=writer.dtype)
+                ids = flat[end - length : end].astype(writer.dtype)  # a copy: val.bin's parts hold no batch alive
                 sources[index]["documents"] += 1
                 part = "val" if number % options.val_every == 0 and tokens["val"] < options.val_tokens else "train"
                 docs[part], tokens[part], number = docs[part] + 1, tokens[part] + len(ids), number + 1
