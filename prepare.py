@@ -11,7 +11,8 @@ document goes whole to val.bin until that holds val_tokens; meta.json says what 
 Deterministic: documents are batched by size alone and tokenized by `workers` processes, their results taken in
 order, so any worker count writes the same bytes. Streaming: at most 2 batches per worker in flight and one chunk in
 memory, whatever the input size. Every file is written under a hidden temporary name and renamed; meta.json comes
-last; a run that fails (bad input, a full disk, Ctrl-C) removes what it wrote and raises one sentence (a ValueError).
+last; a run that fails (bad input, a full disk) or is interrupted removes what it wrote; a failure is one sentence
+(a ValueError).
 """
 
 import collections
