@@ -487,7 +487,7 @@ def test_cli_synth_check_bench(tmp_path, capsys):
     assert [p.name for p in find_token_files(tmp_path)] == ["chunk_0001.bin", "chunk_0002.bin"]
     data_cli.main(["check", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "ok: 2 files, 200,000 tokens" in out and ": detected" in out
+    assert "ok: 2 files (raw uint16), 200,000 tokens" in out and ": detected" in out
     data_cli.main(["bench", str(tmp_path), "--seq_len", "63", "--batch_size", "4", "--batches", "5", "--matmul", "32"])
     out = capsys.readouterr().out
     assert "tokens/s" in out and "with loader" in out
@@ -500,7 +500,7 @@ def test_cli_synth_check_bench(tmp_path, capsys):
         text=True,
         timeout=120,
     )
-    assert done.returncode == 0 and "ok: 2 files, 200,000 tokens" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0 and "ok: 2 files (raw uint16), 200,000 tokens" in done.stdout, done.stderr[-2000:]
     done = subprocess.run(
         [sys.executable, repo / "data.py", "check", tmp_path], capture_output=True, text=True, timeout=60
     )
