@@ -169,17 +169,23 @@ def prepare_flags(prep):
     """prepare's flags: one per field of prepare.Options, with its default."""
     prep.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt/.md, .jsonl/.json/.ndjson, .parquet, or folders")
     prep.add_argument("--tokenizer", required=True, help="a SentencePiece .model or a Hugging Face tokenizer.json")
-    prep.add_argument("--out", required=True, help="a new or empty folder")
+    prep.add_argument("--out", required=True, help="a new folder, or one without token files")
     prep.add_argument("--field", default="text", help="the JSON lines' text field (%(default)s)")
     prep.add_argument("--column", default="text", help="the Parquet files' text column (%(default)s)")
     prep.add_argument("--text_docs", choices=("file", "blank", "line"), default="file", help="a text file's documents")
-    prep.add_argument("--chunk_tokens", type=count(1, 2**31 - 1), default=1 << 24, help="ids per chunk file")
-    prep.add_argument("--val_tokens", type=count(0, 2**31 - 1), default=1 << 20, help="val.bin: at least this many")
-    prep.add_argument("--val_every", type=count(), default=100, help="every Nth document goes to val.bin until full")
+    prep.add_argument(
+        "--chunk_tokens", type=count(1, 2**31 - 1), default=1 << 24, help="ids per chunk file (%(default)s)"
+    )
+    prep.add_argument(
+        "--val_tokens", type=count(0, 2**31 - 1), default=1 << 20, help="val.bin: at least this many (%(default)s)"
+    )
+    prep.add_argument(
+        "--val_every", type=count(), default=100, help="every Nth document goes to val.bin until full (%(default)s)"
+    )
     prep.add_argument("--token_dtype", choices=tuple(RAW_DTYPES), default="uint16")
     prep.add_argument("--header", action="store_true", help="llm.c's 1,024-byte header on every file")
     prep.add_argument("--doc_marker", default="auto", help="the id or token opening each document; auto: BOS")
-    prep.add_argument("--workers", type=count(), default=os.cpu_count() or 1, help="tokenizing processes")
+    prep.add_argument("--workers", type=count(), default=os.cpu_count() or 1, help="tokenizing processes (%(default)s)")
 
 
 def _refuse(message):

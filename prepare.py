@@ -368,6 +368,10 @@ def write_tokens(files, sources, tokenizer_path, marker, writer, options, progre
                     if filled == len(chunk):
                         write_chunk(writer, chunk)
                         filled = 0
+    if not docs["train"]:
+        raise ValueError(
+            f"the inputs hold no document for training ({docs['val']} for validation, {docs['empty']} empty)."
+        )
     if filled:
         write_chunk(writer, chunk[:filled])
     if val:

@@ -130,6 +130,7 @@ def bad_inputs(folder, inputs):
     (folder / "not_utf8.txt").write_bytes(b"caf\xe9 au lait\n")
     (folder / "a_folder.txt").mkdir()
     (folder / "table.csv").write_text("text\nhello\n")
+    (folder / "empty.txt").write_text("\n \n\n")
     return {
         "missing": [folder / "missing.jsonl"],
         "folder": [folder / "a_folder.txt"],
@@ -137,6 +138,7 @@ def bad_inputs(folder, inputs):
         "late_missing_field": [inputs["files"][1], folder / "late.jsonl"],
         "not_utf8": [folder / "not_utf8.txt"],
         "no_column": [inputs["files"][2]],
+        "only_empty": [folder / "empty.txt"],
     }
 
 
@@ -153,6 +155,7 @@ def bad_inputs(folder, inputs):
         ("not_a_tokenizer", "is not a Hugging Face tokenizer.json file"),
         ("no_bos", "--doc_marker 999 is not an id or a token"),
         ("used_out", "already holds chunk_0001.bin; prepare never replaces token files"),
+        ("only_empty", "the inputs hold no document for training (0 for validation, 0 empty)"),
     ],
 )
 def test_bad_input_is_one_sentence_exit_2_and_nothing_half_written(inputs, tmp_path, capsys, case, message):
