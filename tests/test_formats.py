@@ -201,3 +201,14 @@ def test_uint32_ids_above_65535_train_and_evaluate(tmp_path):
     flags = ["--device", "cpu", "--max_tokens", "2048", "--token_dtype", "uint32"]
     result = eval_py.main([str(checkpoint), "--data", str(val), *flags])
     assert result["tokens"] == 64 * SEQ and result["val_loss"] == pytest.approx(val_rows[-1]["val_loss"], rel=1e-4)
+
+
+def test_a_bad_id_in_a_headered_file_is_named_at_its_token_not_counting_the_header(tmp_path, capfd):
+    ids = documents(5000, 1, 1000)
+    ids[1234] = 40_000
+    path = write_llmc(tmp_path / "chunk_0001.bin", ids)
+    train = load_token_data(tmp_path, 50257, SEQ, 0).train
+    with BatchLoader(train, WindowSpec(SEQ, vocab_size=1000), 8, Deal(0, 1)) as loader:
+        epoch0_windows(loader)
+    warning = capfd.readouterr().err.strip().splitlines()[0]
+    assert warning.startswith(f"warning: rank 0: {path} at token 1,234 holds id 40000 >= vocab_size 1000"), warning
