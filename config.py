@@ -39,11 +39,13 @@ class Hyperparameters:
     concrete in the annotated type (None: the plan decides), once, for the run and for --dry_run alike."""
 
     # --- the organizers' flag names, kept verbatim ---
-    data_dir: str | None = flag("auto", "chunk_*.bin token folder; auto: /home/data if present, else synthetic data")
+    data_dir: str | None = flag(
+        "auto", "token folder (chunk_*.bin or *_train_*.bin); auto: /home/data if present, else synthetic data"
+    )
     checkpoint_path: str = flag("checkpoint.pt", "written at start, every --save_every_min, on SIGTERM and at the end")
     seq_len: int = flag(1024, "training window in tokens", **POSITIVE)
     vocab_size: int = flag(
-        "auto", "auto: 32000 for token files, 1024 for the synthetic data", int, at_least=2, at_most=65536
+        "auto", "auto: 32000 for token files, 1024 for the synthetic data", int, at_least=2, at_most=2**32
     )
     n_layer: int | None = flag(
         "auto", "shape flag; auto: from --model (given shape flags win, see --shape_flags)", int, **POSITIVE
@@ -100,6 +102,16 @@ class Hyperparameters:
     )
     save_every_min: float = flag(2.5, "background checkpoint cadence; 0: only at start and end", at_least=0.0)
     doc_aligned: bool = flag(False, "start every window at a BOS token (needs BOS-marked data)")
+    token_dtype: str = flag(
+        "uint16", "ids of headerless token files (llm.c's headered shards name their own)", choices=("uint16", "uint32")
+    )
+    bos_id: int | None = flag(
+        "auto",
+        "the document marker (--doc_aligned, the BOS check); auto: the format's: 1 in raw files, 50256 (GPT-2's "
+        "<|endoftext|>) in llm.c's uint16 shards, 128000 (Llama-3's <|begin_of_text|>) in its uint32 ones",
+        int,
+        at_least=0,
+    )
     # --- schedule and optimizer ---
     schedule: str = flag(
         "wsd", "wsd (warmup, stable, linear decay) or cosine (the starter's, for baselines)", choices=("wsd", "cosine")

@@ -1,4 +1,5 @@
-"""Token data for the speedrun trainer: folders of chunk_*.bin files in the format of windows.TOKEN_DTYPE.
+"""Token data for the speedrun trainer: folders of token files (chunk_*.bin, or modded-nanogpt's *_train_*.bin) of
+one of windows.token_layout's formats (raw uint16, the event's; raw uint32; llm.c's headered shards).
 
 check_token_files catches bad data in seconds (it samples; `check --full` scans every token, off the clock);
 load_token_data memmaps the files and holds out a validation range (or builds the synthetic set, synthetic.py);
@@ -20,29 +21,46 @@ import torch
 from prefetch import Prefetcher
 from shards import Shards
 from synthetic import SYNTH_STATES, synthetic_entropy_nats, synthetic_tokens
-from windows import BOS_ID, MAX_OPEN_FILES, TOKEN_DTYPE, WindowReader, is_file_map
+from windows import BOS_ID, MAX_OPEN_FILES, WindowReader, is_file_map, token_layout, token_map
 
-BOS_RATE_RANGE = (1e-5, 0.05)  # id 1 once per 20..100k tokens looks like document starts, not a common token
+BOS_RATE_RANGE = (1e-5, 0.05)  # a marker once per 20..100k tokens looks like document starts, not a common token
 SYNTH_TRAIN_TOKENS = 1 << 23  # embedded default data: ~8M training tokens, generated in well under a second
 SAMPLE_TOKENS = 1 << 18  # per file, read by the start-up check
 FD_RESERVE = 256  # open files a run needs besides its token files: torch's libraries, the loader, sockets, logs
 
 
+TRAIN_GLOBS = ("chunk_*.bin", "*_train_*.bin")  # the event's names, else modded-nanogpt's and llm.c's (fineweb_train_)
+
+
 def find_token_files(data_dir):
-    """The folder's chunk_*.bin files in name order (the event files are zero-padded). Anything by that name that
-    is not a readable file is an error, not skipped: a silently missing chunk changes the data."""
+    """The folder's chunk_*.bin files in name order (the event files are zero-padded); in a folder without any, its
+    *_train_*.bin files (modded-nanogpt's fineweb_train_000001.bin ...; their fineweb_val_*.bin is a --val_file).
+    Anything by that name that is not a readable file is an error, not skipped: a silently missing chunk changes the
+    data."""
     folder = pathlib.Path(data_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"--data_dir {folder} does not exist or is not a folder.")
-    files = sorted(folder.glob("chunk_*.bin"))
+    files = next((found for pattern in TRAIN_GLOBS if (found := sorted(folder.glob(pattern)))), [])
     for path in files:
         if path.is_symlink() and not path.exists():
             raise FileNotFoundError(f"{path} is a broken symlink (to {path.readlink()}).")
         if not path.is_file():
             raise ValueError(f"{path} is {'a folder' if path.is_dir() else 'not a regular file'}, not a token file.")
     if not files:
-        raise FileNotFoundError(f"--data_dir {folder} holds no chunk_*.bin token files.")
+        raise FileNotFoundError(f"--data_dir {folder} holds no chunk_*.bin (or *_train_*.bin) token files.")
     return files
+
+
+def token_layouts(files, token_dtype="uint16"):
+    """Each file's windows.TokenLayout (raw files hold token_dtype ids); files of more than one format are a
+    ValueError: a folder is one data set, written one way."""
+    layouts = [token_layout(path, token_dtype) for path in files]
+    if other := next((i for i, layout in enumerate(layouts) if layout.name != layouts[0].name), None):
+        raise ValueError(
+            f"the token files mix formats: {files[0]} is {layouts[0].name}, {files[other]} is {layouts[other].name}; "
+            f"write them all one way (python data_cli.py prepare writes either)."
+        )
+    return layouts
 
 
 def open_file_room(n_files):
@@ -79,31 +97,33 @@ def sample_slices(sizes, sample_tokens=SAMPLE_TOKENS, n_slices=8):
     return ranges
 
 
-def _sample_file(path, ranges):
+def _sample_file(path, layout, ranges):
+    dtype = layout.dtype
     with open(path, "rb") as file:
         slices = []
         for start, end in ranges:
-            file.seek(start * TOKEN_DTYPE.itemsize)
-            slices.append(np.frombuffer(file.read((end - start) * TOKEN_DTYPE.itemsize), dtype=TOKEN_DTYPE))
+            file.seek(layout.header + start * dtype.itemsize)
+            slices.append(np.frombuffer(file.read((end - start) * dtype.itemsize), dtype=dtype))
     return np.concatenate(slices)
 
 
-def _file_chunks(path, chunk_tokens=1 << 24):
-    """Every token of a file, in 32 MiB reads."""
+def _file_chunks(path, layout, chunk_tokens=1 << 24):
+    """Every token of a file, in reads of chunk_tokens."""
     with open(path, "rb") as file:
-        while len(chunk := np.fromfile(file, dtype=TOKEN_DTYPE, count=chunk_tokens)):
+        file.seek(layout.header)
+        while len(chunk := np.fromfile(file, dtype=layout.dtype, count=chunk_tokens)):
             yield chunk
 
 
-def _id_stats(chunks, vocab_size):
-    """Tokens seen, min and max id, BOS count, and the ids >= vocab_size: how many, the first one and its position
+def _id_stats(chunks, vocab_size, bos_id):
+    """Tokens seen, min and max id, bos_id count, and the ids >= vocab_size: how many, the first one and its position
     (counted over the chunks in order)."""
     stats = {"seen": 0, "min": None, "max": 0, "bos": 0, "bad": 0, "first_bad": None}
     for chunk in chunks:
         low, high = int(chunk.min()), int(chunk.max())
         stats["min"] = low if stats["min"] is None else min(stats["min"], low)
         stats["max"] = max(stats["max"], high)
-        stats["bos"] += int(np.count_nonzero(chunk == BOS_ID))
+        stats["bos"] += int(np.count_nonzero(chunk == bos_id))
         if high >= vocab_size:
             bad = np.flatnonzero(chunk >= vocab_size)
             if stats["first_bad"] is None:
@@ -113,36 +133,40 @@ def _id_stats(chunks, vocab_size):
     return stats
 
 
-def _summarise(n_files, n_tokens, file_stats):
+def _summarise(n_files, n_tokens, file_stats, layout_name, bos_id):
     seen = sum(stats["seen"] for stats in file_stats)
     bos_rate = sum(stats["bos"] for stats in file_stats) / seen
     return {
         "files": n_files,
+        "format": layout_name,
         "tokens": n_tokens,
         "checked_tokens": seen,
         "min_id": min(stats["min"] for stats in file_stats),
         "max_id": max(stats["max"] for stats in file_stats),
+        "bos_id": bos_id,
         "bos_rate": bos_rate,
         "has_bos": bool(BOS_RATE_RANGE[0] <= bos_rate <= BOS_RATE_RANGE[1]),
     }
 
 
-def check_token_files(files, vocab_size, seq_len, sample_tokens=SAMPLE_TOKENS, full=False):
-    """Validate token files from their sizes and ~sample_tokens sampled tokens each (every token if full); return a
-    summary. Sparse bad ids can pass the sample: BatchLoader checks every token it reads."""
-    sizes = []
-    for path in files:  # sizes first: cheap, so every file is checked before any is read
-        n_bytes = pathlib.Path(path).stat().st_size
-        n_tokens, odd = divmod(n_bytes, TOKEN_DTYPE.itemsize)
-        if odd:
-            raise ValueError(f"{path} has an odd size ({n_bytes} bytes), so it is not a file of uint16 tokens.")
-        if n_tokens < seq_len + 1:
-            raise ValueError(f"{path} holds {n_tokens} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}.")
-        sizes.append(n_tokens)
+def check_token_files(
+    files, vocab_size, seq_len, sample_tokens=SAMPLE_TOKENS, full=False, token_dtype="uint16", bos_id=None, layouts=None
+):
+    """Validate token files from their layouts (token_layouts, unless given) and ~sample_tokens sampled tokens each
+    (every token if full); return a summary, with the rate of bos_id (None: the format's marker). Sparse bad ids can
+    pass the sample: BatchLoader checks every token it reads."""
+    layouts = token_layouts(files, token_dtype) if layouts is None else layouts
+    for path, layout in zip(files, layouts):  # sizes first: cheap, so every file is checked before any is read
+        if layout.count < seq_len + 1:
+            raise ValueError(
+                f"{path} holds {layout.count} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}."
+            )
+    bos_id = layouts[0].marker if bos_id is None else bos_id
+    sizes = [layout.count for layout in layouts]
     file_stats, problems = [], []
-    for path, ranges in zip(files, sample_slices(sizes, sample_tokens)):
-        chunks = _file_chunks(path) if full else [_sample_file(path, ranges)]
-        stats = _id_stats(chunks, vocab_size)
+    for path, layout, ranges in zip(files, layouts, sample_slices(sizes, sample_tokens)):
+        chunks = _file_chunks(path, layout) if full else [_sample_file(path, layout, ranges)]
+        stats = _id_stats(chunks, vocab_size, bos_id)
         if stats["bad"] and full:
             top, at = stats["first_bad"]
             problems.append(
@@ -157,34 +181,38 @@ def check_token_files(files, vocab_size, seq_len, sample_tokens=SAMPLE_TOKENS, f
         file_stats.append(stats)
     if problems:
         raise ValueError("; ".join(problems) + ".")
-    return _summarise(len(files), sum(sizes), file_stats)
+    return _summarise(len(files), sum(sizes), file_stats, layouts[0].name, bos_id)
 
 
 @dataclasses.dataclass
 class TokenData:
-    train: list  # 1-D uint16 arrays (np.memmap of the files)
-    val: np.ndarray  # 1-D uint16, in memory, never part of train
+    train: list  # 1-D uint16 or uint32 arrays (np.memmap of the files)
+    val: np.ndarray  # 1-D, in memory, never part of train
     summary: dict
-    bos_id: int | None  # BOS_ID when the data marks document starts with it
+    bos_id: int | None  # the document marker, when the data marks document starts with it
     source: str  # one line for the log
 
 
-def load_token_data(data_dir, vocab_size, seq_len, val_tokens, val_file=None):
+def load_token_data(data_dir, vocab_size, seq_len, val_tokens, val_file=None, token_dtype="uint16", bos_id=None):
     """Checked training arrays and validation tokens from data_dir, or the synthetic set when data_dir is None.
-    Validation is the last val_tokens of the last file (cut from its training view), or val_file if given."""
+    Validation is the last val_tokens of the last file (cut from its training view), or val_file if given (its format
+    detected on its own). Raw files hold token_dtype ids; bos_id: the document marker (None: the format's)."""
     if val_tokens < 0:
         raise ValueError(f"--val_tokens must be >= 0, got {val_tokens}.")
     if data_dir is None:
         return _synthetic_data(vocab_size, seq_len, val_tokens)
     files = find_token_files(data_dir)
     fd_note = open_file_room(len(files))
-    summary = check_token_files(files, vocab_size, seq_len)
-    train = [np.memmap(path, dtype=TOKEN_DTYPE, mode="r") for path in files]
+    layouts = token_layouts(files, token_dtype)
+    summary = check_token_files(files, vocab_size, seq_len, token_dtype=token_dtype, bos_id=bos_id, layouts=layouts)
+    train = [token_map(path, layout) for path, layout in zip(files, layouts)]
     if val_file is not None:
         if not pathlib.Path(val_file).is_file():
             raise FileNotFoundError(f"--val_file {val_file} does not exist.")
-        check_token_files([pathlib.Path(val_file)], vocab_size, seq_len)
-        val = np.fromfile(val_file, dtype=TOKEN_DTYPE, count=val_tokens)
+        val_layout = token_layout(val_file, token_dtype)
+        check_token_files([pathlib.Path(val_file)], vocab_size, seq_len, layouts=[val_layout], bos_id=summary["bos_id"])
+        count = min(val_tokens, val_layout.count)
+        val = np.fromfile(val_file, val_layout.dtype, count=count, offset=val_layout.header)
         where = f"first {len(val):,} tokens of {val_file}"
     else:
         cut = len(train[-1]) - val_tokens
@@ -193,9 +221,9 @@ def load_token_data(data_dir, vocab_size, seq_len, val_tokens, val_file=None):
                 f"{files[-1]} holds {len(train[-1])} tokens, too few for --val_tokens {val_tokens} plus "
                 f"one training window; lower --val_tokens or pass --val_file."
             )
-        # a new map, not a slice: the reader preads file maps (windows.is_file_map)
-        train[-1] = np.memmap(files[-1], dtype=TOKEN_DTYPE, mode="r", shape=(cut,))
-        val = np.fromfile(files[-1], dtype=TOKEN_DTYPE, count=val_tokens, offset=cut * TOKEN_DTYPE.itemsize)
+        layout = layouts[-1]
+        train[-1] = token_map(files[-1], layout, cut)  # a new map, not a slice: the reader preads file maps
+        val = np.fromfile(files[-1], layout.dtype, count=val_tokens, offset=layout.header + cut * layout.dtype.itemsize)
         where = f"last {val_tokens:,} tokens of {files[-1].name}"
     if len(val) and (top := int(val.max())) >= vocab_size:  # in memory already: every validation token is checked
         at = int(np.argmax(val >= vocab_size))
@@ -203,10 +231,11 @@ def load_token_data(data_dir, vocab_size, seq_len, val_tokens, val_file=None):
             f"the validation tokens ({where}) hold ids >= --vocab_size {vocab_size} (up to {top}), the "
             f"first at validation token {at:,}."
         )
-    bos_id = BOS_ID if summary["has_bos"] else None
+    bos_id = summary["bos_id"] if summary["has_bos"] else None
+    marker = f"id {summary['bos_id']} {'' if bos_id is not None else 'not '}detected"
     source = (
-        f"{len(files)} files in {data_dir}, {sum(map(len, train)):,} training tokens, validation = {where}, "
-        f"BOS {f'id {BOS_ID}' if bos_id else 'not detected'} (rate {summary['bos_rate']:.1e})"
+        f"{len(files)} files ({summary['format']}) in {data_dir}, {sum(map(len, train)):,} training tokens, "
+        f"validation = {where}, document marker {marker} (rate {summary['bos_rate']:.1e})"
         + (f"; {fd_note}" if fd_note else "")
     )
     return TokenData(train, val, summary, bos_id, source)
@@ -216,7 +245,8 @@ def _synthetic_data(vocab_size, seq_len, val_tokens):
     n_states = min(SYNTH_STATES, vocab_size - 2)  # so any --vocab_size above ~10 still runs
     tokens = synthetic_tokens(SYNTH_TRAIN_TOKENS + val_tokens, vocab_size, n_states=n_states)
     floor = synthetic_entropy_nats()
-    summary = {**_summarise(1, len(tokens), [_id_stats([tokens], vocab_size)]), "entropy_floor_nats": floor}
+    stats = [_id_stats([tokens], vocab_size, BOS_ID)]
+    summary = {**_summarise(1, len(tokens), stats, "synthetic", BOS_ID), "entropy_floor_nats": floor}
     source = (
         f"synthetic Markov chain ({n_states} states), {SYNTH_TRAIN_TOKENS:,} training + {val_tokens:,} "
         f"validation tokens, best possible loss {floor:.4f} nats/token"

@@ -1,20 +1,23 @@
 """The data CLI, `python data_cli.py ...` (it imports data.py, never the reverse):
-check DIR [--full] validates a folder of chunk_*.bin files and summarises it; synth OUT_DIR --tokens N writes the
+check DIR [--full] validates a folder of token files and summarises it; synth OUT_DIR --tokens N writes the
 synthetic Markov data in the event format; bench DIR measures the loader's tokens/s and its cost to a concurrent
-compute loop.
+compute loop; prepare INPUT... --tokenizer FILE --out DIR tokenizes text, JSON lines or Parquet into token files
+(prepare.py).
 """
 
 import argparse
 import math
+import os
 import sys
 import time
 
 import torch
 
 from data import BatchLoader, check_token_files, find_token_files, load_token_data, open_file_room
+from prepare import Options, prepare
 from shards import Deal
 from synthetic import SYNTH_STATES, synthetic_entropy_nats, write_synthetic
-from windows import BOS_ID, WindowSpec
+from windows import RAW_DTYPES, WindowSpec
 
 
 def _cli_check(args):
@@ -22,12 +25,16 @@ def _cli_check(args):
     files = find_token_files(args.data_dir)
     if note := open_file_room(len(files)):  # as a run would: its limit, raised or refused alike
         print(f"a run here: {note}")
-    s = check_token_files(files, args.vocab_size, args.seq_len, full=args.full)
-    print(f"ok: {s['files']} files, {s['tokens']:,} tokens ({2 * s['tokens'] / 2**30:.2f} GiB) in {args.data_dir}")
+    s = check_token_files(
+        files, args.vocab_size, args.seq_len, full=args.full, token_dtype=args.token_dtype, bos_id=args.bos_id
+    )
+    gib = sum(path.stat().st_size for path in files) / 2**30
+    print(f"ok: {s['files']} files ({s['format']}), {s['tokens']:,} tokens ({gib:.2f} GiB) in {args.data_dir}")
     checked = "every token" if args.full else f"sampled {s['checked_tokens']:,} tokens"
     print(f"{checked}: ids {s['min_id']}..{s['max_id']} (--vocab_size {args.vocab_size})")
     mean_doc = f", ~{1 / s['bos_rate']:,.0f} tokens per document" if s["bos_rate"] else ""
-    print(f"BOS id {BOS_ID}: rate {s['bos_rate']:.2e}{mean_doc}: {'detected' if s['has_bos'] else 'not detected'}")
+    found = "detected" if s["has_bos"] else "not detected"
+    print(f"document marker (--bos_id) {s['bos_id']}: rate {s['bos_rate']:.2e}{mean_doc}: {found}")
     print(f"checked in {time.perf_counter() - start:.2f} s")
 
 
@@ -51,7 +58,9 @@ def _cli_synth(args):
 
 def _cli_bench(args):
     torch.set_num_threads(1)  # the compute loop gets one core, the loader thread another
-    data = load_token_data(args.data_dir, args.vocab_size, args.seq_len, val_tokens=0)
+    data = load_token_data(
+        args.data_dir, args.vocab_size, args.seq_len, 0, token_dtype=args.token_dtype, bos_id=args.bos_id
+    )
     a = torch.randn(args.matmul, args.matmul)
 
     def timed(loader, compute):
@@ -89,6 +98,21 @@ def _cli_bench(args):
     )
 
 
+def _cli_prepare(args):
+    start = time.perf_counter()
+    fields = {name: getattr(args, name) for name in Options.__dataclass_fields__}
+    meta = prepare(args.inputs, args.tokenizer, args.out, Options(**fields))
+    seconds, tokens, docs = time.perf_counter() - start, meta["tokens"], meta["documents"]
+    read = sum(source["bytes"] for source in meta["sources"])
+    print(
+        f"wrote {tokens['train']:,} training tokens ({docs['train']:,} documents) in {meta['chunks']} chunks and "
+        f"{tokens['val']:,} validation tokens ({docs['val']:,} documents) to {args.out} ({meta['format']}), "
+        f"{docs['empty']:,} empty documents skipped, in {seconds:.1f} s: {read / seconds / 1e6:.2f} MB/s of input, "
+        f"{(tokens['train'] + tokens['val']) / seconds / 1e3:,.0f}K tokens/s on {args.workers} workers"
+    )
+    print(f"train on it: python train.py {meta['train_flags']}")
+
+
 def count(low=1, high=None):
     """An argparse type: a whole number (1e8 is allowed) from low up to high, else one sentence."""
 
@@ -124,17 +148,44 @@ def main(argv=None):
     bench.add_argument("--batches", type=count(), default=300)
     bench.add_argument("--matmul", type=count(), default=512, help="matrix size of the compute loop")
     bench.add_argument("--doc_aligned", action="store_true")
+    prep = commands.add_parser("prepare", help="tokenize text, JSON lines or Parquet into token files (prepare.py)")
+    prepare_flags(prep)
     for sub in (check, synth, bench):
-        sub.add_argument("--vocab_size", type=count(2, 65536), default=32000)
+        sub.add_argument("--vocab_size", type=count(2, 65536) if sub is synth else count(2, 2**32), default=32000)
     for sub in (check, bench):
         sub.add_argument("--seq_len", type=count(), default=1024)
-    for sub in (parser, check, synth, bench):  # a flag argparse cannot read is one sentence too (--help: the usage)
+        sub.add_argument("--token_dtype", choices=tuple(RAW_DTYPES), default="uint16", help="ids of headerless files")
+        sub.add_argument("--bos_id", type=count(0), default=None, help="document marker; default: the format's")
+    for sub in (parser, check, synth, bench, prep):  # a flag argparse cannot read is one sentence (--help: the usage)
         sub.error = _refuse
     args = parser.parse_args(argv)
     try:
-        {"check": _cli_check, "synth": _cli_synth, "bench": _cli_bench}[args.command](args)
+        {"check": _cli_check, "synth": _cli_synth, "bench": _cli_bench, "prepare": _cli_prepare}[args.command](args)
     except (OSError, ValueError) as error:  # a user's folder, file or disk: one sentence, exit 2 (flags: argparse's)
         _refuse(error)
+
+
+def prepare_flags(prep):
+    """prepare's flags: one per field of prepare.Options, with its default."""
+    prep.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt/.md, .jsonl/.json/.ndjson, .parquet, or folders")
+    prep.add_argument("--tokenizer", required=True, help="a SentencePiece .model or a Hugging Face tokenizer.json")
+    prep.add_argument("--out", required=True, help="a new folder, or one without token files")
+    prep.add_argument("--field", default="text", help="the JSON lines' text field (%(default)s)")
+    prep.add_argument("--column", default="text", help="the Parquet files' text column (%(default)s)")
+    prep.add_argument("--text_docs", choices=("file", "blank", "line"), default="file", help="a text file's documents")
+    prep.add_argument(
+        "--chunk_tokens", type=count(1, 2**31 - 1), default=1 << 24, help="ids per chunk file (%(default)s)"
+    )
+    prep.add_argument(
+        "--val_tokens", type=count(0, 2**31 - 1), default=1 << 20, help="val.bin: at least this many (%(default)s)"
+    )
+    prep.add_argument(
+        "--val_every", type=count(), default=100, help="every Nth document goes to val.bin until full (%(default)s)"
+    )
+    prep.add_argument("--token_dtype", choices=tuple(RAW_DTYPES), default="uint16")
+    prep.add_argument("--header", action="store_true", help="llm.c's 1,024-byte header on every file")
+    prep.add_argument("--doc_marker", default="auto", help="the id or token opening each document; auto: BOS")
+    prep.add_argument("--workers", type=count(), default=os.cpu_count() or 1, help="tokenizing processes (%(default)s)")
 
 
 def _refuse(message):

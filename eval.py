@@ -2,22 +2,26 @@
 
     python eval.py checkpoint.pt --data /home/data/val.bin
     python eval.py checkpoint.pt --data /home/data --hellaswag hellaswag_val.jsonl --tokenizer tokenizer.model
+    python eval.py checkpoint.pt --data fineweb10B/fineweb_val_000000.bin     # llm.c's headered shards too
 
 Only model.py is imported, and the checkpoint is loaded with the organizers' snippet verbatim, so a checkpoint
 that loads here loads for them.
 
-Which tokens (raw little-endian uint16 files, as train.py reads):
+Which tokens (the files train.py reads: raw little-endian uint16, or uint32 with --token_dtype uint32; a file that
+opens with llm.c's header, magic 20240520 for uint16 ids or 20240801 for uint32, is read past it, whatever the flag):
   --data FILE  the first --max_tokens tokens of FILE (e.g. val.bin).
-  --data DIR   DIR/val.bin if present (its first --max_tokens tokens), else the LAST --max_tokens tokens of the
-               last chunk_*.bin in name order: the range train.py holds out when --max_tokens equals its
-               --val_tokens (both default to 1,048,576).
+  --data DIR   DIR/val.bin if present, else DIR's first *_val_*.bin (modded-nanogpt's fineweb_val_000000.bin): its
+               first --max_tokens tokens; else the LAST --max_tokens tokens of the last chunk_*.bin (or
+               *_train_*.bin) in name order: the range train.py holds out when --max_tokens equals its --val_tokens
+               (both default to 1,048,576).
 They are cut into disjoint windows of seq_len + 1 tokens from the start (the remainder is dropped, as in
 train.py's validation). The loss is the mean over every predicted token, in float32.
 
-HellaSwag (--hellaswag FILE.jsonl --tokenizer TOKENIZER.model, offline): each line has "ctx" (or "ctx_a" and
-"ctx_b"), "endings" and "label". The context is BOS + the tokenized context, each ending is tokenized on its
-own (SentencePiece's leading-space marker stands for the space between them), and an ending scores the sum of
-its tokens' log-probabilities given the context (acc) or their mean per token (acc_norm).
+HellaSwag (--hellaswag FILE.jsonl --tokenizer TOKENIZER, offline): each line has "ctx" (or "ctx_a" and "ctx_b"),
+"endings" and "label". The context is BOS + the tokenized context, each ending is tokenized on its own (SentencePiece's
+leading-space marker stands for the space between them; a tokenizer.json is given " " + the ending, as GPT-2's
+HellaSwag does), and an ending scores the sum of its tokens' log-probabilities given the context (acc) or their mean
+per token (acc_norm). TOKENIZER: a SentencePiece .model, or a Hugging Face tokenizer.json (the tokenizers package).
 """
 
 import argparse
@@ -34,9 +38,14 @@ import torch.nn.functional as F
 
 from model import get_model
 
-# The token-file format (raw little-endian uint16, no header): a deliberate copy of windows.TOKEN_DTYPE, since eval.py
-# runs beside model.py alone (the organizers' folder, the bundled submission) and imports nothing else of ours.
-TOKEN_DTYPE = np.dtype("<u2")
+# The token-file formats: a deliberate copy of windows.py's (RAW_DTYPES, HEADER_BYTES, LLMC_HEADERS' versions and
+# dtypes), since eval.py runs beside model.py alone (the organizers' folder, the bundled submission) and imports
+# nothing else of ours.
+RAW_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+HEADER_BYTES = 256 * 4
+LLMC_HEADERS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}  # magic: (version, ids)
+# the token a tokenizer.json opens documents with, likeliest first: Llama-2/Mistral, Llama-3, Gemma, BERT-style, GPT-2
+BOS_PIECES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|endoftext|>")
 
 
 def user_file(path, what):
@@ -115,33 +124,61 @@ def load_checkpoint(path):
     return model, ckpt
 
 
-def read_tokens(path, max_tokens, tail=False):
-    """The first (or last) max_tokens tokens of a uint16 token file, as int64."""
+def token_span(path, token_dtype):
+    """(dtype, byte offset of the first id, id count) of a token file: past an llm.c header, else raw token_dtype."""
     n_bytes = path.stat().st_size
     if n_bytes == 0:
         raise ValueError(f"--data {path} is empty (0 bytes).")
-    if n_bytes % TOKEN_DTYPE.itemsize:
-        raise ValueError(f"--data {path} has an odd size ({n_bytes} bytes), so it is not a file of uint16 tokens.")
-    count = min(max_tokens, n_bytes // TOKEN_DTYPE.itemsize)
-    offset = n_bytes - count * TOKEN_DTYPE.itemsize if tail else 0
-    tokens = np.fromfile(path, dtype=TOKEN_DTYPE, count=count, offset=offset).astype(np.int64)
+    with open(path, "rb") as file:
+        head = file.read(HEADER_BYTES)
+    magic = int.from_bytes(head[:4], "little") if len(head) >= 4 else None
+    if magic not in LLMC_HEADERS:
+        dtype = RAW_DTYPES[token_dtype]
+        count, rest = divmod(n_bytes, dtype.itemsize)
+        if rest:
+            size = "an odd size" if dtype.itemsize == 2 else f"a size that is not a multiple of {dtype.itemsize}"
+            raise ValueError(
+                f"--data {path} has {size} ({n_bytes} bytes), so it is not a file of {token_dtype} tokens."
+            )
+        return dtype, 0, count
+    version, dtype = LLMC_HEADERS[magic]
+    header = np.frombuffer(head.ljust(HEADER_BYTES, b"\0"), dtype="<i4")
+    count = int(header[2])
+    if len(head) < HEADER_BYTES or header[1] != version or n_bytes != HEADER_BYTES + count * dtype.itemsize:
+        raise ValueError(
+            f"--data {path} opens with llm.c's magic {magic}, but its header (version {header[1]}, {count:,} tokens) "
+            f"does not match its {n_bytes:,} bytes: it is truncated or damaged."
+        )
+    return dtype, HEADER_BYTES, count
+
+
+def read_tokens(path, max_tokens, tail=False, token_dtype="uint16"):
+    """The first (or last) max_tokens tokens of a token file, as int64."""
+    dtype, start, n_tokens = token_span(path, token_dtype)
+    count = min(max_tokens, n_tokens)
+    offset = start + (n_tokens - count) * dtype.itemsize if tail else start
+    tokens = np.fromfile(path, dtype=dtype, count=count, offset=offset).astype(np.int64)
     where = f"{'last' if tail else 'first'} {count:,} tokens of {path}"
     return torch.from_numpy(tokens), where
 
 
-def eval_tokens(data, max_tokens):
+def eval_tokens(data, max_tokens, token_dtype="uint16"):
     """The evaluation tokens for --data (see the module docstring) and a description of where they came from."""
     path = pathlib.Path(data)
     if path.is_file():
-        return read_tokens(path, max_tokens)
+        return read_tokens(path, max_tokens, token_dtype=token_dtype)
     if not path.is_dir():
         raise FileNotFoundError(f"--data {path} does not exist.")
-    if (path / "val.bin").is_file():
-        return read_tokens(path / "val.bin", max_tokens)
-    chunks = sorted(p for p in path.glob("chunk_*.bin") if p.is_file())
+    held_out = [path / "val.bin", *sorted(path.glob("*_val_*.bin"))]
+    if val := next((p for p in held_out if p.is_file()), None):
+        return read_tokens(val, max_tokens, token_dtype=token_dtype)
+    chunks = next((found for glob in ("chunk_*.bin", "*_train_*.bin") if (found := sorted(path.glob(glob)))), [])
+    chunks = [p for p in chunks if p.is_file()]
     if not chunks:
-        raise FileNotFoundError(f"--data {path} holds neither val.bin nor chunk_*.bin token files.")
-    return read_tokens(chunks[-1], max_tokens, tail=True)
+        raise FileNotFoundError(
+            f"--data {path} holds neither val.bin nor chunk_*.bin token files (nor *_val_*.bin, *_train_*.bin ones)."
+        )
+    return read_tokens(chunks[-1], max_tokens, tail=True, token_dtype=token_dtype)
 
 
 def make_windows(tokens, where, seq_len, vocab_size):
@@ -210,18 +247,47 @@ def load_hellaswag(path):
     return items
 
 
-def load_tokenizer(path, vocab_size):
-    """A SentencePiece processor; the package is needed only here, so it is imported only here."""
+class HFTokenizer:
+    """A Hugging Face tokenizer.json behind the calls made here of a SentencePiece processor: encode (a text, or a
+    list of them) without special tokens, decode, bos_id (the first of BOS_PIECES it has, else -1), get_piece_size."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.bos = next((i for piece in BOS_PIECES if (i := tokenizer.token_to_id(piece)) is not None), -1)
+
+    def encode(self, text):
+        if isinstance(text, str):
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(text, add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True)  # as SentencePiece drops its BOS
+
+    def bos_id(self):
+        return self.bos
+
+    def get_piece_size(self):
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def load_tokenizer(path, vocab_size=None):
+    """A SentencePiece processor for a .model, an HFTokenizer for a tokenizer.json (a .json file); each package is
+    needed only here, so it is imported only here. vocab_size: the model's, which the tokenizer's ids must fit."""
+    package = "tokenizers" if pathlib.Path(path).suffix == ".json" else "sentencepiece"
     try:
-        import sentencepiece
+        module = __import__(package)
     except ImportError:
-        raise ValueError("--tokenizer needs the sentencepiece package: pip install sentencepiece") from None
+        raise ValueError(f"--tokenizer needs the {package} package: pip install {package}") from None
     path = user_file(path, "--tokenizer")
     try:
-        tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(path))
-    except (RuntimeError, OSError):  # sentencepiece's parse errors
-        raise ValueError(f"--tokenizer {path} is not a SentencePiece .model file.") from None
-    if tokenizer.get_piece_size() > vocab_size:
+        if package == "tokenizers":
+            tokenizer = HFTokenizer(module.Tokenizer.from_file(str(path)))
+        else:
+            tokenizer = module.SentencePieceProcessor(model_file=str(path))
+    except Exception:  # each package's parse errors (RuntimeError, OSError, its own Exception)
+        kind = "Hugging Face tokenizer.json" if package == "tokenizers" else "SentencePiece .model"
+        raise ValueError(f"--tokenizer {path} is not a {kind} file.") from None
+    if vocab_size is not None and tokenizer.get_piece_size() > vocab_size:
         raise ValueError(
             f"--tokenizer {path} has {tokenizer.get_piece_size()} pieces, more than the model's "
             f"vocab_size {vocab_size}."
@@ -253,10 +319,12 @@ def ending_logprobs(model, context, endings, device, max_len):
 def hellaswag(model, items, tokenizer, device, max_len):
     """acc (highest total log-prob) and acc_norm (highest mean log-prob per token) over the items."""
     bos = [tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else []  # training documents start with BOS
+    spaced = isinstance(tokenizer, HFTokenizer)  # no leading-space marker: the space is the ending's own
     correct = correct_norm = 0
     for number, (context, endings, label) in enumerate(items, 1):
+        ending_ids = tokenizer.encode([" " + e for e in endings] if spaced else endings)
         try:
-            scores = ending_logprobs(model, bos + tokenizer.encode(context), tokenizer.encode(endings), device, max_len)
+            scores = ending_logprobs(model, bos + tokenizer.encode(context), ending_ids, device, max_len)
         except ValueError as e:  # an ending longer than the window
             raise ValueError(f"--hellaswag example {number}: {e}") from None
         correct += max(range(len(scores)), key=lambda i: scores[i][0]) == label
@@ -273,7 +341,7 @@ def hellaswag(model, items, tokenizer, device, max_len):
 
 def evaluate(args):
     if args.hellaswag and not args.tokenizer:
-        raise ValueError("--hellaswag needs --tokenizer TOKENIZER.model to turn its text into token ids.")
+        raise ValueError("--hellaswag needs --tokenizer (a .model or tokenizer.json) to turn its text into token ids.")
     for flag in ("seq_len", "batch_size", "max_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be positive, got {getattr(args, flag)}.")
@@ -286,7 +354,7 @@ def evaluate(args):
         raise ValueError(
             f"--seq_len {seq_len} is longer than the checkpoint's learned position table ({model.config.seq_len})."
         )
-    tokens, where = eval_tokens(args.data, args.max_tokens)
+    tokens, where = eval_tokens(args.data, args.max_tokens, args.token_dtype)
     windows = make_windows(tokens, where, seq_len, vocab_size)
     if args.hellaswag:  # read before the loss is computed, so a bad file costs no time
         tokenizer, items = load_tokenizer(args.tokenizer, vocab_size), load_hellaswag(args.hellaswag)
@@ -318,13 +386,16 @@ def evaluate(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint.pt written by train.py")
-    parser.add_argument("--data", required=True, help="a uint16 token file, or a folder (see above)")
+    parser.add_argument("--data", required=True, help="a token file, or a folder (see above)")
+    parser.add_argument(
+        "--token_dtype", default="uint16", choices=tuple(RAW_DTYPES), help="ids of headerless files (%(default)s)"
+    )
     parser.add_argument("--seq_len", type=int, default=None, help="window length; default: the checkpoint's")
     parser.add_argument("--batch_size", type=int, default=8, help="windows per forward pass")
     parser.add_argument("--max_tokens", type=int, default=1 << 20, help="tokens read for the loss")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...; default: cuda if present")
     parser.add_argument("--hellaswag", default=None, help="a HellaSwag .jsonl file")
-    parser.add_argument("--tokenizer", default=None, help="the SentencePiece .model file of the training data")
+    parser.add_argument("--tokenizer", default=None, help="the training data's SentencePiece .model or tokenizer.json")
     parser.error = fail  # a flag argparse cannot read is one sentence too (--help shows the usage)
     args = parser.parse_args(argv)
     try:

@@ -222,7 +222,9 @@ def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s
 
 def check_inputs(hp, rank, world):
     """Data, validation windows and paths: checked, nothing written."""
-    data = load_token_data(hp.data_dir, hp.vocab_size, hp.seq_len, hp.val_tokens, hp.val_file)
+    data = load_token_data(
+        hp.data_dir, hp.vocab_size, hp.seq_len, hp.val_tokens, hp.val_file, hp.token_dtype, hp.bos_id
+    )
     val = val_batches(data.val, hp.seq_len, hp.batch_size, rank, world, max_tokens=hp.val_eval_tokens)
     return data, val
 

@@ -2,6 +2,7 @@
 
     python sample.py checkpoint.pt --tokenizer tokenizer.model --prompt "The meaning of life is"
     python sample.py checkpoint.pt --tokenizer tokenizer.model --prompt FILE:prompt.txt --temperature 0
+    python sample.py checkpoint.pt --tokenizer tokenizer.json --prompt "Once upon a time"     # a Hugging Face one
     python sample.py checkpoint.pt --prompt_ids 1,450,4996 --max_new_tokens 20     # token ids in and out
 
 With --tokenizer the prompt is text (or FILE:path, the text of that file), it starts with the tokenizer's BOS,
@@ -128,7 +129,7 @@ def sample(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint.pt written by train.py")
-    parser.add_argument("--tokenizer", default=None, help="the SentencePiece .model file of the training data")
+    parser.add_argument("--tokenizer", default=None, help="the training data's SentencePiece .model or tokenizer.json")
     parser.add_argument(
         "--prompt", default=None, help="prompt text, or FILE:path for a file's text (needs --tokenizer)"
     )

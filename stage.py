@@ -27,7 +27,7 @@ import socket
 import sys
 import time
 
-from data import find_token_files, sample_slices
+from data import find_token_files, sample_slices, token_layouts
 from shards import BLOCK_WINDOWS, STAGED_MANIFEST, block_layout, staged_blocks
 from config import check_flags, parse_args
 
@@ -45,18 +45,21 @@ def merged(ranges):
     return out
 
 
-def copy_ranges(src, dst, ranges):
-    """dst: a file of src's size holding src's bytes in the token ranges, the rest a hole. Returns bytes copied.
-    Written under a temporary name and renamed over dst: a link at dst (to a source chunk, say) is replaced, never
-    written through, and a copy that fails leaves no partial file that looks staged."""
+def copy_ranges(src, dst, layout, ranges):
+    """dst: a file of src's size holding src's header (windows.TokenLayout) and its bytes in the token ranges, the rest
+    a hole. Returns bytes copied. Written under a temporary name and renamed over dst: a link at dst (to a source
+    chunk, say) is replaced, never written through, and a copy that fails leaves no partial file that looks staged."""
     copied, tmp = 0, dst.with_name(f".{dst.name}.staging")
+    width, header = layout.dtype.itemsize, layout.header
     tmp.unlink(missing_ok=True)
     try:
         with open(src, "rb") as source, open(tmp, "xb") as target:
             target.truncate(os.fstat(source.fileno()).st_size)
-            for start, end in merged(ranges):
-                for offset in range(2 * start, 2 * end, COPY_BYTES):
-                    size = min(COPY_BYTES, 2 * end - offset)
+            spans = [(0, header)] if header else []  # bytes: the header, then each range's tokens
+            spans += [(header + width * start, header + width * end) for start, end in merged(ranges)]
+            for first, last in spans:
+                for offset in range(first, last, COPY_BYTES):
+                    size = min(COPY_BYTES, last - offset)
                     chunk = os.pread(source.fileno(), size, offset)
                     if len(chunk) != size:
                         raise ValueError(f"{src} ended at byte {offset + len(chunk):,}: it shrank while being staged.")
@@ -104,7 +107,8 @@ def stage(src, dst, tokens, world_size, margin, nodes, nproc, hp, workers=8):
         raise ValueError(f"the plan is for {world_size} ranks, not the {len(nodes)} x {nproc} of this job.")
     ranks = list(range(node * nproc, (node + 1) * nproc))
     files = find_token_files(src)
-    sizes = [path.stat().st_size // 2 for path in files]
+    layouts = token_layouts(files, hp.token_dtype)
+    sizes = [layout.count for layout in layouts]
     val_tokens = 0 if hp.val_file != "auto" else hp.val_tokens
     lengths = [*sizes[:-1], sizes[-1] - val_tokens]  # the training views load_token_data makes
     if lengths[-1] < hp.seq_len + 1:
@@ -120,7 +124,7 @@ def stage(src, dst, tokens, world_size, margin, nodes, nproc, hp, workers=8):
     check_destination(pathlib.Path(src), dst, files, None if hp.val_file == "auto" else hp.val_file)
     dst.mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # several reads in flight: NFS latency, not bandwidth
-        copied = sum(pool.map(copy_ranges, files, [dst / path.name for path in files], ranges))
+        copied = sum(pool.map(copy_ranges, files, [dst / path.name for path in files], layouts, ranges))
     manifest = {
         "source": str(src),
         "seq_len": hp.seq_len,
@@ -141,7 +145,7 @@ def stage(src, dst, tokens, world_size, margin, nodes, nproc, hp, workers=8):
     return (
         f"stage {me}: ranks {ranks[0]}-{ranks[-1]} of {world}, {per_rank:,} blocks each ({margin} x the plan's "
         f"{tokens:,} tokens / {world}) + validation + check slices: {copied / 1e9:.3f} of "
-        f"{2 * sum(sizes) / 1e9:.3f} GB"
+        f"{sum(path.stat().st_size for path in files) / 1e9:.3f} GB"
     )
 
 

@@ -1,4 +1,5 @@
-"""The window reader: the token-file format, and the training windows (seq_len + 1 tokens each) of token ranges.
+"""The window reader: the token-file formats (token_layout: raw uint16 or uint32 ids, llm.c's headered shards), and
+the training windows (seq_len + 1 tokens each) of token ranges.
 
 File maps (an np.memmap made straight from a token file) are read with one pread per range: far fewer round trips
 than page faults on NFS; other arrays are sliced. doc_aligned: each window starts at a bos_id token (greedy,
@@ -21,11 +22,73 @@ import sys
 
 import numpy as np
 
-# The token files: raw little-endian uint16 ids, no header. eval.py holds a deliberate copy (it runs beside model.py
-# alone, in the organizers' folder).
+# The token files. Raw little-endian ids without a header are the event's format: uint16 by default, uint32 by
+# --token_dtype. llm.c's and modded-nanogpt's shards open with a 256 x int32 header (magic, version, token count) that
+# names their dtype, detected per file. eval.py holds a deliberate copy (it runs beside model.py alone, in the
+# organizers' folder).
 TOKEN_DTYPE = np.dtype("<u2")
-BOS_ID = 1  # document start in Llama/Mistral-style 32K vocabularies
+RAW_DTYPES = {"uint16": TOKEN_DTYPE, "uint32": np.dtype("<u4")}
+HEADER_BYTES = 256 * 4
+# magic: (version, ids, the marker their writers put at each document's start). 20240520: GPT-2's ids, every document
+# opened by <|endoftext|>; 20240801: Llama-3's, opened by <|begin_of_text|> (llm.c's dev/data/fineweb.py)
+LLMC_HEADERS = {20240520: (1, np.dtype("<u2"), 50256), 20240801: (7, np.dtype("<u4"), 128000)}
+BOS_ID = 1  # document start in Llama/Mistral-style 32K vocabularies: the marker of raw files
 MAX_OPEN_FILES = 64  # token files a reader holds open at once (each block read is one file's; reopening is cheap)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLayout:
+    """Where a token file's ids lie: count ids of dtype after header bytes. name: the format, for messages; marker:
+    the id its writers open each document with (the --bos_id that "auto" means)."""
+
+    name: str
+    dtype: np.dtype
+    header: int
+    count: int
+    marker: int
+
+
+def token_layout(path, token_dtype="uint16"):
+    """The layout of the token file at path, from its first bytes: an llm.c header, else raw ids of token_dtype.
+    A header that disagrees with the file's size, or a raw file that is not whole ids, is a ValueError."""
+    n_bytes = os.path.getsize(path)
+    with open(path, "rb") as file:
+        head = file.read(HEADER_BYTES)
+    magic = int.from_bytes(head[:4], "little") if len(head) >= 4 else None
+    if magic not in LLMC_HEADERS:
+        dtype = RAW_DTYPES[token_dtype]
+        count, rest = divmod(n_bytes, dtype.itemsize)
+        if rest:
+            size = "an odd size" if dtype.itemsize == 2 else f"a size that is not a multiple of {dtype.itemsize}"
+            raise ValueError(f"{path} has {size} ({n_bytes} bytes), so it is not a file of {token_dtype} tokens.")
+        return TokenLayout(f"raw {token_dtype}", dtype, 0, count, BOS_ID)
+    version, dtype, marker = LLMC_HEADERS[magic]
+    name = f"llm.c {dtype.name} (magic {magic})"
+    header = np.frombuffer(head.ljust(HEADER_BYTES, b"\0"), dtype="<i4")
+    if len(head) < HEADER_BYTES or header[1] != version:
+        raise ValueError(
+            f"{path} opens with llm.c's magic {magic} but not its {HEADER_BYTES}-byte header of version {version}: "
+            f"it is damaged or another format."
+        )
+    count = int(header[2])
+    if n_bytes != HEADER_BYTES + count * dtype.itemsize:
+        raise ValueError(
+            f"{path}'s {name} header says {count:,} tokens ({HEADER_BYTES + count * dtype.itemsize:,} bytes with the "
+            f"header), but the file holds {n_bytes:,} bytes: it is truncated or its header is wrong."
+        )
+    return TokenLayout(name, dtype, HEADER_BYTES, count, marker)
+
+
+def token_map(path, layout, count=None):
+    """The first count ids (default: all) of a token file as a file map (is_file_map: the reader preads it)."""
+    shape = (layout.count if count is None else count,)
+    return np.memmap(path, dtype=layout.dtype, mode="r", offset=layout.header, shape=shape)
+
+
+def first_token(array, file):
+    """The position in its file (open as file) of a file map's first id: its offset past an llm.c header, if any."""
+    header = HEADER_BYTES if int.from_bytes(os.pread(file.fileno(), 4, 0), "little") in LLMC_HEADERS else 0
+    return (array.offset - header) // array.itemsize
 
 
 class DataChanged(ValueError):
@@ -44,7 +107,7 @@ class WindowSpec:
 
     def __post_init__(self):
         if self.doc_aligned and self.bos_id is None:
-            raise ValueError("--doc_aligned needs BOS document markers, but none were detected in the data.")
+            raise ValueError("--doc_aligned needs BOS document markers (--bos_id), but none were detected in the data.")
 
 
 def is_file_map(array):
@@ -147,7 +210,7 @@ class WindowReader:
         file.seek(array.offset + start * array.itemsize)
         if file.readinto(tokens) != tokens.nbytes:
             raise ValueError(
-                f"{array.filename} ended before token {array.offset // array.itemsize + end:,}: it "
+                f"{array.filename} ended before token {first_token(array, file) + end:,}: it "
                 f"shrank after the start-up checks."
             )
         return tokens
@@ -174,7 +237,7 @@ class WindowReader:
     def _warn_bad_id(self, tokens, index, start):
         at, array = int(np.argmax(tokens >= self.spec.vocab_size)), self.arrays[index]
         where = (
-            f"{array.filename} at token {array.offset // array.itemsize + start + at:,}"
+            f"{array.filename} at token {first_token(array, self._file(index)) + start + at:,}"
             if is_file_map(array)
             else f"training array {index} at token {start + at:,}"
         )

@@ -29,6 +29,7 @@ SCRIPTS = [
     "bench/host_share.py",
     "bench/zero_grad.py",
     "bench/profile_summary.py",
+    "bench/corpus_text.py",
 ]
 
 

@@ -16,7 +16,7 @@ import data_cli
 from data import BatchLoader, check_token_files, find_token_files, load_token_data, val_batches
 from shards import Deal, Shards, deal_blocks, staged_blocks
 from synthetic import synthetic_entropy_nats, synthetic_tokens, write_synthetic
-from windows import BOS_ID, WindowReader, WindowSpec, doc_window_starts
+from windows import BOS_ID, WindowReader, WindowSpec, doc_window_starts, token_layout
 from conftest import epoch0_windows, full_windows
 
 torch.set_num_threads(1)
@@ -137,7 +137,8 @@ def test_sparse_bad_ids_pass_the_sample_and_fail_the_full_scan(tmp_path, capsys)
     with pytest.raises(SystemExit) as exit_info:
         data_cli.main(["check", str(tmp_path), "--full", "--seq_len", "127"])
     assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err)
-    stats = data._id_stats(data._file_chunks(files[0], chunk_tokens=1000), 32000)  # positions across reads
+    chunks = data._file_chunks(files[0], token_layout(files[0]), chunk_tokens=1000)
+    stats = data._id_stats(chunks, 32000, BOS_ID)  # positions across reads
     assert stats["bad"] == 10 and stats["first_bad"] == (40000, positions[0]) and stats["seen"] == 1 << 21
 
 
@@ -486,7 +487,7 @@ def test_cli_synth_check_bench(tmp_path, capsys):
     assert [p.name for p in find_token_files(tmp_path)] == ["chunk_0001.bin", "chunk_0002.bin"]
     data_cli.main(["check", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "ok: 2 files, 200,000 tokens" in out and ": detected" in out
+    assert "ok: 2 files (raw uint16), 200,000 tokens" in out and ": detected" in out
     data_cli.main(["bench", str(tmp_path), "--seq_len", "63", "--batch_size", "4", "--batches", "5", "--matmul", "32"])
     out = capsys.readouterr().out
     assert "tokens/s" in out and "with loader" in out
@@ -499,7 +500,7 @@ def test_cli_synth_check_bench(tmp_path, capsys):
         text=True,
         timeout=120,
     )
-    assert done.returncode == 0 and "ok: 2 files, 200,000 tokens" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0 and "ok: 2 files (raw uint16), 200,000 tokens" in done.stdout, done.stderr[-2000:]
     done = subprocess.run(
         [sys.executable, repo / "data.py", "check", tmp_path], capture_output=True, text=True, timeout=60
     )

@@ -517,8 +517,10 @@ FLAG_CASES = [
     ["--momentum_warmup_frac", "2"],
     ["--min_lr_frac", "1.5"],
     ["--auto_efficiency", "3"],
-    ["--vocab_size", "70000"],
+    ["--vocab_size", str(2**32 + 1)],  # above uint32's ids
     ["--vocab_size", "1"],
+    ["--bos_id", "-1"],
+    ["--token_dtype", "uint8"],
     ["--val_tokens", str(10**9)],
     ["--collective_timeout_min", "0"],
     ["--log_every_s", "-1"],

@@ -266,3 +266,33 @@ def test_samples_stay_within_the_ids_the_tokenizer_can_decode(trained, random_mo
     flags = ["--tokenizer", str(tokenizer_path), "--prompt", "the red", "--temperature", "5", "--top_k", "0"]
     samples = sample.main([str(folder / "random.pt"), *flags, "--max_new_tokens", "30", "--num_samples", "4"])
     assert max(max(s) for s in samples) < pieces and "--- sample 4 ---" in capsys.readouterr().out
+
+
+def test_a_tokenizer_json_prompts_decodes_and_scores_hellaswag_as_a_sentencepiece_model_does(tmp_path, capsys):
+    """A Hugging Face byte-level BPE (<s> = 1 its BOS): sample.py's prompt starts with it and the greedy text is the
+    memorised sentence; eval.py's HellaSwag gives each ending its leading space and picks the memorised one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    import eval as eval_py
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(
+        SENTENCES * 3, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>"], initial_alphabet=alphabet)
+    )
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = eval_py.load_tokenizer(tmp_path / "tokenizer.json", 384)
+    assert tokenizer.bos_id() == 1 and tokenizer.get_piece_size() == bpe.get_vocab_size()
+    config = {**CONFIG, "vocab_size": 384}
+    torch.save(memorise([[1] + tokenizer.encode(s) for s in SENTENCES], config), tmp_path / "checkpoint.pt")
+    model, _ = eval_py.load_checkpoint(tmp_path / "checkpoint.pt")
+    for sentence in SENTENCES:
+        start, rest = halves(sentence)
+        n_new = len(tokenizer.encode(sentence)) - len(tokenizer.encode(start))
+        flags = ["--tokenizer", str(tmp_path / "tokenizer.json"), "--prompt", start, "--temperature", "0"]
+        samples = sample.main([str(tmp_path / "checkpoint.pt"), *flags, "--max_new_tokens", str(n_new)])
+        assert samples[0][0] == 1 and tokenizer.decode(samples[0]) == sentence
+        others = [halves(other)[1] for other in SENTENCES if other != sentence]
+        scores = eval_py.hellaswag(model.eval(), [(start, [rest, *others], 0)], tokenizer, "cpu", 32)
+        assert scores["hellaswag_acc"] == scores["hellaswag_acc_norm"] == 1.0
