@@ -199,6 +199,8 @@ def take_lock(path, flag, advice):
                 raise ValueError(f"--{flag} {path} is in use by another running train.py{shared}; {advice}") from None
             if e.errno == errno.EBADF:  # opened read-only (another user's file) where locks need write access (NFS)
                 raise ValueError(unopenable(flag, path, lock, "it cannot be opened to write")) from None
+            if created:  # no lock to hold: no lock file left either
+                remove_quietly(lock)
             return e.strerror or str(e)
         held = os.fstat(fd)
         if file_identity(lock) != (held.st_dev, held.st_ino):

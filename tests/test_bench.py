@@ -26,6 +26,7 @@ SCRIPTS = [
     "bench/lr_sweep.py",
     "bench/ns_error.py",
     "bench/attention_backends.py",
+    "bench/simulated_clock.py",
 ]
 
 

@@ -380,6 +380,7 @@ def test_storage_that_refuses_locks_is_not_a_path_in_use(tmp_path, monkeypatch, 
     monkeypatch.setattr(paths.fcntl, "flock", refuse)
     paths.lock_outputs(hp, said.append).close()
     assert len(said) == 1 and "cannot be locked" in said[0]  # one warning for both outputs
+    assert sorted(os.listdir(tmp_path)) == []  # no lock to hold, so no lock file made for one
     monkeypatch.setattr(paths.fcntl, "flock", lambda h, op: (_ for _ in ()).throw(BlockingIOError(errno.EAGAIN, "")))
     with pytest.raises(ValueError, match="in use by another running train.py"):
         paths.lock_outputs(hp, said.append)
