@@ -33,7 +33,7 @@ from plan import (
 from checkpoint import Checkpointer, check_room
 from deadline import budget_until, training_deadline
 from kernels import AttentionCall, agreed_attention, choose_attention, point_triton_at_ptxas, triton_version
-from paths import check_outputs, lock_outputs, training_twin
+from paths import check_outputs, lock_outputs, release_outputs, training_twin
 from report import MetricsFile
 from ranks import (
     bf16_grad_hook,
@@ -88,7 +88,17 @@ def save_step_zero(checkpointer, raw_model, config, rank, device, world):
             )
         except Exception as e:
             error = sentence(e)
-    leave_together(error, device, world, rank)
+    refused_together(error, device, world, rank)
+
+
+def refused_together(error, device, world, rank):
+    """leave_together, and a refusal leaves nothing new: the lock files, folders and metrics file to be that this
+    rank made are removed (paths.release_outputs)."""
+    try:
+        leave_together(error, device, world, rank)
+    except SystemExit:
+        release_outputs()
+        raise
 
 
 def launch(hp, model_switches, stop_signal, say):
@@ -127,9 +137,8 @@ def launch(hp, model_switches, stop_signal, say):
         f"{world} x {device.type} | compile {hp.compile} | autocast {hp.autocast} | grad reduce {hp.grad_reduce} | "
         f"budget {budget_s:.0f} s, max_steps {hp.max_steps}"
     )
-    if metrics is not None:
-        metrics.truncate(0)
-        metrics = MetricsFile(metrics)
+    if metrics is not None:  # a new file renamed in, never truncated: another name of the old one keeps its rows
+        metrics = MetricsFile(metrics.put_in_place())
     if world > 1:
         warm_collectives(device)  # ends in a barrier: every rank starts its clock right after it
     return Run(
@@ -210,13 +219,13 @@ def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s
             Deal(rank, world, seed=hp.seed),
             device=device,
         )
-        if rank == 0:  # the step-0 save is written in the background: a disk it cannot fit on is said now
+        if rank == 0:  # each save writes a whole second file beside the last: a disk without room for both is said now
             check_room(hp.checkpoint_path, 4 * plan.n_params, "checkpoint_path")
         metrics = lock_outputs(hp, say) if rank == 0 else None
         error = None
     except Exception as e:
         error = sentence(e)
-    leave_together(error, device, world, rank)
+    refused_together(error, device, world, rank)
     return hp, data, val, plan, loader, metrics, attention
 
 

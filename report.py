@@ -301,5 +301,14 @@ def human_summary(summary, hp):
         f"done: {summary['steps']:,} steps on {summary['world_size']} rank(s), {summary['tokens'] / 1e6:,.4g}M tokens "
         f"in {summary['train_s']:.1f} s ({summary['stop_reason']}), LR fraction {summary['final_lr_frac']:.3g} at "
         f"the end{floor}; val loss {summary['val_loss']:.4f} on {summary['val_batches']} batches\n"
-        f"checkpoint: {hp.checkpoint_path}; metrics, with the full summary row: {hp.metrics_path}"
+        f"checkpoint: {hp.checkpoint_path} ({checkpoint_holds(summary)}); metrics, with the full summary row: "
+        f"{hp.metrics_path}"
     )
+
+
+def checkpoint_holds(summary):
+    """What the checkpoint on disk holds, from the summary's labels of it."""
+    if summary.get("weights_step") is None:
+        return "none was written"
+    kind = "plain weights" if str(summary["weights"]).startswith("plain") else "the weights blended with their tail EMA"
+    return f"step {summary['weights_step']}, {kind}"

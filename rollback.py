@@ -165,11 +165,13 @@ class Guard:
 
     def restore_for_the_final_save(self, step, diverged):
         """Before the final save at this step: a run that diverged, or weights that are not finite, go back to the
-        trusted snapshot."""
+        trusted snapshot (plain weights). Returns whether they did."""
         if diverged or not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
             self.trusted.restore()
             self.restored_at = step
             self.say(f"the final checkpoint holds the weights of step {self.trusted.step}, the last trusted snapshot")
+            return True
+        return False
 
     def weights_of(self, step, tokens):
         """(step, tokens) the model's weights are from at this step of the loop: the trusted snapshot's when it was

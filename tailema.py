@@ -45,8 +45,9 @@ class TailEMA:
 
     def blend_in(self):
         """Blend the average into the weights, in place (every rank alike); returns what the weights now are, in
-        words: the blend, or "plain" (off, stopped before the window, or an average that is not finite)."""
-        if self.average is None:
+        words: the blend, or "plain" (off, stopped before the window, an average that is not finite, or one that is
+        the weights themselves: taken afresh at the end, after a rollback at the last sync)."""
+        if self.average is None or all(torch.equal(a, p) for a, p in zip(self.average, self.params)):
             return "plain"
         if not all(bool(torch.isfinite(a).all()) for a in self.average):
             return "plain (the tail EMA was not finite)"

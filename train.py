@@ -426,7 +426,8 @@ def compiled_trial(run, amp, loss_fn):
 def finish(run, log, clock, amp, state, guard, ema):
     """After the clock: save first, then validate (a slow eval can never cost the checkpoint), then the summary.
     A run that diverged after its last rollback saves its last trusted snapshot, and exits 0; else the weights take
-    in the tail EMA's blend, if it is on and its window opened (what the checkpoint and the validation score)."""
+    in the tail EMA's blend, if it is on and its window opened (what the checkpoint and the validation score).
+    The labels (weights, weights_step, the log's lines) say what the checkpoint on disk holds, on every path."""
     hp, device, train_s = run.hp, run.device, state.train_s
     diverged = state.stop_reason == "diverged"
     if diverged:
@@ -434,9 +435,10 @@ def finish(run, log, clock, amp, state, guard, ema):
     else:
         ema.update(state.progress, state.step)
         state.weights = ema.blend_in()
-        if state.weights != "plain":
-            run.say(f"final weights: {state.weights}")
-    guard.restore_for_the_final_save(state.step, diverged=diverged)
+    if guard.restore_for_the_final_save(state.step, diverged=diverged):
+        state.weights = "plain"  # the trusted snapshot's weights, whatever was blended before
+    if state.weights != "plain":
+        run.say(f"final weights: {state.weights}")
     step, tokens = guard.weights_of(state.step, state.tokens)  # what the checkpoint and the final validation hold
     saved = True
     if run.rank == 0:
@@ -445,7 +447,10 @@ def finish(run, log, clock, amp, state, guard, ema):
             run.checkpointer.save(run.raw_model, log.meta(step, tokens, state.weights), background=False)
             run.say(f"saved {hp.checkpoint_path} at step {step} ({state.stop_reason}) after {train_s:.1f}s")
         except Exception as e:  # any failure: rank 0 still validates with the others and meets them at the barrier
-            run.say(f"error: the final save failed: {e if isinstance(e, CheckpointError) else repr(e)[:300]}")
+            held = run.checkpointer.on_disk
+            kept = f"step {held['step']}, the last save that succeeded" if held else "nothing: no save succeeded"
+            why = str(e).rstrip(".") if isinstance(e, CheckpointError) else repr(e)[:300]
+            run.say(f"error: the final save failed: {why}; {hp.checkpoint_path} holds {kept}")
             saved = False
     val_batches = clock.final_validation_batches()
     log.notes()
@@ -453,6 +458,9 @@ def finish(run, log, clock, amp, state, guard, ema):
     log.emit({"step": step, "elapsed_s": round(train_s, 3), "tokens": tokens, "val_loss": val_loss})
     summary = {**summary_row(run, clock, state, val_loss, val_batches), "rollbacks": guard.rollbacks}
     summary["weights_step"] = step  # below "steps" when the run ends on restored weights
+    if not saved:  # the checkpoint on disk is an earlier save's (or none), not the weights validated
+        held = run.checkpointer.on_disk or {}
+        summary["weights"], summary["weights_step"] = held.get("weights"), held.get("step")
     log.emit(summary)
     log.close(train_s)
     run.say(human_summary(summary, hp))

@@ -141,6 +141,20 @@ def run_train(args, cwd, nproc=1, timeout=300, expect_rc=0):
     return proc, wall
 
 
+def patched_train(tmp_path, patch, args):
+    """train.main(args) in a child process after `patch` (Python run first, with checkpoint, launch and train
+    imported); returns (process, unix time right before it started)."""
+    code = (
+        f"import sys, time; sys.path.insert(0, {str(TRAIN.parent)!r}); import checkpoint, launch, train\n"
+        f"{patch}\ntrain.main({args!r})"
+    )
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300
+    )
+    return proc, started
+
+
 def read_metrics(path):
     """(training rows, validation rows, summary) from a metrics file, checking the summary is the last line."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]

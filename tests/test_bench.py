@@ -30,6 +30,7 @@ SCRIPTS = [
     "bench/zero_grad.py",
     "bench/profile_summary.py",
     "bench/corpus_text.py",
+    "bench/simulated_clock.py",
 ]
 
 

@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -50,12 +49,36 @@ def test_full_disk_keeps_the_previous_checkpoint_and_no_tmp(small_tmpfs):
     save_checkpoint(state(1), path)
     with pytest.raises(
         CheckpointError,
-        match=r"could not save .*ck\.pt \(the disk is full: 4\.0 MiB to write, \d\.\d MiB free there\); "
-        r"the file is left",
+        match=r"could not save .*ck\.pt \(the disk is full: the save writes 4\.0 MiB beside the 0\.0 MiB file it "
+        r"replaces, and .*small has \d\.\d MiB free\); the file is left",
     ):
         save_checkpoint(state(2, n=1 << 20), path)  # 4 MiB of float32 into 2 MiB
     assert saved_step(path) == 1
     assert_only(small_tmpfs, "ck.pt")
+
+
+def test_a_failed_save_says_the_free_space_there_is_once_its_file_is_gone(small_tmpfs):
+    """A second file of the size beside the first does not fit: the message says the free space as it is after the
+    failed file was closed and removed (an open one held its blocks, and the message said 0.0 MiB)."""
+    path = small_tmpfs / "ck.pt"
+    save_checkpoint(state(1, n=300_000), path)  # 1.1 MiB of the 2
+    with pytest.raises(CheckpointError) as failed:
+        save_checkpoint(state(2, n=300_000), path)
+    free = shutil.disk_usage(small_tmpfs).free / 2**20
+    assert f"the disk is full: the save writes 1.1 MiB beside the 1.1 MiB file it replaces, and {small_tmpfs} has " in (
+        str(failed.value)
+    ) and f"{free:,.1f} MiB free)" in str(failed.value)
+    assert free > 0.5 and saved_step(path) == 1
+    assert_only(small_tmpfs, "ck.pt")
+
+
+def test_a_write_probe_on_a_full_disk_leaves_nothing_behind(small_tmpfs):
+    with open(small_tmpfs / "filler", "wb") as filler:
+        filler.write(b"\1" * shutil.disk_usage(small_tmpfs).free)
+    for path in (small_tmpfs / "ck.pt", small_tmpfs / "new" / "sub" / "ck.pt"):
+        with pytest.raises(ValueError, match="is not writable: cannot write in .* \\(No space left on device\\)"):
+            check_writable(str(path), "checkpoint_path")
+        assert_only(small_tmpfs, "filler")  # neither the probe nor the folders made for it
 
 
 def test_write_error_mid_save_keeps_the_previous_checkpoint_and_no_tmp(tmp_path, monkeypatch):
@@ -63,7 +86,7 @@ def test_write_error_mid_save_keeps_the_previous_checkpoint_and_no_tmp(tmp_path,
     save_checkpoint(state(1), path)
 
     def full_disk(obj, f):
-        Path(f).write_bytes(b"PK partial")
+        f.write(b"PK partial")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(checkpoint.torch, "save", full_disk)
@@ -143,7 +166,7 @@ def test_background_failure_is_reported_once_without_a_traceback(tmp_path, monke
         saver.save(model, {"step": step}, background=True)
         messages.append(saver.wait())
     assert messages[1:] == [None, None] and saver.failures == 3
-    assert "could not save" in messages[0] and "(full)" in messages[0]
+    assert "could not save" in messages[0] and "(full: the save writes" in messages[0]
     assert saver.poll() is None
     with pytest.raises(CheckpointError, match="could not save"):  # the final, foreground save raises instead
         saver.save(model, {"step": 5}, background=False)

@@ -4,6 +4,7 @@ on 2 CPU cores."""
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,7 +260,7 @@ def test_sparse_bad_token_ids_are_skipped_counted_and_said_once(tmp_path):
 def small_tmpfs(tmp_path):
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
     yield mount
@@ -267,8 +268,9 @@ def small_tmpfs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path, small_tmpfs):
-    # the ~1.2 MB checkpoint (without the bigram table) fits in the 2 MB tmpfs once, but not beside its next version
+def test_a_disk_that_fills_up_under_the_run_keeps_the_last_checkpoint_and_training_goes_on(tmp_path, small_tmpfs):
+    """The ~1.2 MB checkpoint (without the bigram table) passes the room check on a 4 MB tmpfs (two of it, side by
+    side); then another job fills the disk: every later save fails, said once, and the last whole file stays."""
     args = [
         *TINY,
         "--bigram_mult",
@@ -280,16 +282,33 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path
         "--val_tokens",
         "8192",
         "--time_limit_min",
-        "0.2",
+        "0.25",
         "--save_every_min",
         "0.03",
     ]
-    proc, _ = run_train(args, tmp_path, expect_rc=1)
-    assert len([line for line in proc.stdout.splitlines() if "background checkpoint save failed" in line]) == 1
-    assert "the final save failed" in proc.stdout and "Traceback" not in proc.stderr
+    proc = subprocess.Popen(
+        command(args, 1), cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        first_row(proc, tmp_path / "m.jsonl")
+        filler = small_tmpfs / "another_job"
+        with open(filler, "wb") as file:  # leaves less than one checkpoint free
+            file.write(b"\1" * (os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize - (1 << 19)))
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert len([line for line in out.splitlines() if "background checkpoint save failed" in line]) == 1
+    failed = next(line for line in out.splitlines() if "the final save failed" in line)
+    free = os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize / 2**20
+    size = os.path.getsize(small_tmpfs / "ck.pt") / 2**20
+    said = rf"the disk is full: the save writes 1\.\d MiB beside the {size:,.1f} MiB file it replaces, and .* has "
+    assert re.search(said + rf"{free:,.1f} MiB free\); the file is left as it was; .* holds step \d+", failed), failed
+    assert "Traceback" not in err
     _, _, summary = read_metrics(tmp_path / "m.jsonl")
     assert summary["steps"] > 5  # training went on
-    assert load_checkpoint(small_tmpfs / "ck.pt")[1]["step"] == 0 and not list(small_tmpfs.glob("*.tmp"))
+    _, ckpt = load_checkpoint(small_tmpfs / "ck.pt")
+    assert ckpt["step"] == summary["weights_step"] < summary["steps"] and not list(small_tmpfs.glob("*.tmp"))
 
 
 # ----------------------------------------------------------------------------- a frozen rank
@@ -361,6 +380,7 @@ def test_storage_that_refuses_locks_is_not_a_path_in_use(tmp_path, monkeypatch, 
     monkeypatch.setattr(paths.fcntl, "flock", refuse)
     paths.lock_outputs(hp, said.append).close()
     assert len(said) == 1 and "cannot be locked" in said[0]  # one warning for both outputs
+    assert sorted(os.listdir(tmp_path)) == []  # no lock to hold, so no lock file made for one
     monkeypatch.setattr(paths.fcntl, "flock", lambda h, op: (_ for _ in ()).throw(BlockingIOError(errno.EAGAIN, "")))
     with pytest.raises(ValueError, match="in use by another running train.py"):
         paths.lock_outputs(hp, said.append)

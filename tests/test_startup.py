@@ -1,15 +1,12 @@
 """Start-up off the clock: the model built where it trains, the step-0 checkpoint written in the background (after a
 check that the disk can take it), and whatever way the run then ends, that file on disk; the summary's startup_s."""
 
-import subprocess
-import sys
-import time
-
 import torch
 
+import checkpoint
 import config
 import launch
-from conftest import TINY, TRAIN, child_env, read_metrics
+from conftest import TINY, patched_train, read_metrics
 from eval import load_checkpoint
 from model import get_model
 from synthetic import SYNTH_STATES
@@ -31,20 +28,6 @@ def test_the_model_is_built_where_it_trains_and_on_cpu_as_before(monkeypatch):
     torch.manual_seed(3)
     reference = real({"vocab_size": hp.vocab_size, "seq_len": 32, **shape})
     assert all(torch.equal(v, reference.state_dict()[k]) for k, v in on_cpu.state_dict().items())
-
-
-def patched_train(tmp_path, patch, args):
-    """train.main(args) in a child process after `patch` (Python run first, with checkpoint, launch and train
-    imported); returns (process, unix time right before it started)."""
-    code = (
-        f"import sys, time; sys.path.insert(0, {str(TRAIN.parent)!r}); import checkpoint, launch, train\n"
-        f"{patch}\ntrain.main({args!r})"
-    )
-    started = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300
-    )
-    return proc, started
 
 
 SLOW_STEP0 = (  # the step-0 file takes 4 s to write (NFS at the event); later saves as they are
@@ -74,17 +57,24 @@ def test_the_step0_save_runs_beside_the_clock_and_is_on_disk_however_the_run_end
     assert ckpt["step"] == 0 and not list(crashed.glob("*.tmp"))
 
 
-def test_a_disk_without_room_for_one_checkpoint_is_refused_before_anything_is_written(tmp_path):
-    """The step-0 save is written while training runs, where a full disk would show only later: the disk's free
-    space is held against the model's checkpoint first (a disk of 1 MiB here, by shutil.disk_usage)."""
-    full = "import shutil; checkpoint.shutil.disk_usage = lambda folder: shutil._ntuple_diskusage(2**40, 2**40, 2**20)"
-    proc, _ = patched_train(tmp_path, full, [*TINY, "--max_steps", "2"])
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+def test_a_disk_with_room_for_one_checkpoint_but_not_two_is_refused_before_anything_is_written(tmp_path):
+    """Every save writes a whole file beside the one it replaces before renaming it over (the step-0 file, then the
+    final one beside it): a disk with room for one and a half checkpoints (by shutil.disk_usage) is refused before the
+    clock, in one sentence that says what the saves need, and the folders on the way are not left behind either."""
     shape = {"vocab_size": SYNTH_STATES, "seq_len": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}
-    params = get_model(shape).num_params()
-    assert f"a checkpoint of this model is {4 * params / 2**20:,.1f} MiB, and" in proc.stderr
-    assert "has 1.0 MiB free" in proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no checkpoint, no metrics file
+    size = 4 * get_model(shape).num_params() + checkpoint.SAVE_OVERHEAD
+    free = f"shutil._ntuple_diskusage(2**40, 2**40, {int(1.5 * size)})"
+    full = f"import shutil; checkpoint.shutil.disk_usage = lambda folder: {free}"
+    args = [*TINY, "--max_steps", "2", "--checkpoint_path", "runs/a/checkpoint.pt"]
+    proc, _ = patched_train(tmp_path, full, args)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    mib = size / 2**20
+    assert (
+        f"--checkpoint_path runs/a/checkpoint.pt: each save writes a whole {mib:,.1f} MiB checkpoint beside the one it "
+        f"replaces, so the run needs {2 * mib:,.1f} MiB free in {tmp_path / 'runs' / 'a'}, and it has {1.5 * mib:,.1f} "
+        f"MiB" in proc.stderr
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no checkpoint, no metrics file, no folder
 
 
 def test_a_failed_step0_save_is_said_once_and_training_goes_on(tmp_path):
