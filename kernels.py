@@ -37,8 +37,11 @@ ATTENTION_BACKENDS = {
 # attention_backends.py on CPU, BENCHMARKS.md), a wrong kernel O(1)
 ATTENTION_TOLERANCE = 2e-2
 # torch's own rule for preferring cuDNN attention (sdp_utils.cpp, check_prefer_cudnn_attention, from torch 2.10 on):
-# a cuDNN above 9.15.0, the first without a memory-safety bug in it (9.15.1, pytorch#169849); auto follows it
+# a cuDNN above 9.15.0, the first without a memory-safety bug in it (9.15.1, pytorch#169849); auto follows it, and
+# also prefers an older cuDNN 9 where the run's sequence length is a multiple of the kernel's 128-row tiles: the bug's
+# reproductions all have a ragged last tile (seq 261), the event's 1024 has none, and cuDNN is ~2x flash on Blackwell
 CUDNN_PREFERRED_ABOVE = 91500
+CUDNN_TILE = 128
 B300 = (10, 3)  # compute capability of Blackwell Ultra: ptxas knows sm_103a from CUDA 12.9 on
 PTXAS_FOR_B300 = (12, 9)  # and Triton itself pins the CUDA 12.9 ptxas for sm_100/sm_103 (release/3.7.x)
 TRITON_FOR_B300 = (3, 6)  # the first Triton to bundle a ptxas for it (ptxas-blackwell, CUDA 12.9); torch 2.10 pins it
@@ -112,8 +115,8 @@ def choose_attention(forced, call, capability, cudnn_version=None):
     if not has_set_priority():
         label = f"{default} (torch's pick: this torch's sdpa_kernel cannot set a priority)"
         return AttentionChoice(default, label, call=call, op=default)
-    names, notes = list(ATTENTION_BACKENDS), [cudnn_rule(cudnn_version)]
-    if not (cudnn_version or 0) > CUDNN_PREFERRED_ABOVE:
+    names, notes = list(ATTENTION_BACKENDS), [cudnn_rule(cudnn_version, call.seq_len)]
+    if not prefer_cudnn(cudnn_version, call.seq_len):
         names.remove("cudnn")
     for i, name in enumerate(names[:-1]):  # math is the reference: the floor, unchecked
         if not (problem := checks.problem(name)):
@@ -122,13 +125,27 @@ def choose_attention(forced, call, capability, cudnn_version=None):
     return priority_choice(names[-1:], (*notes, checks.said()), call)
 
 
-def cudnn_rule(version):
-    """The line that says whether auto puts cuDNN attention first, by torch's own rule."""
+def prefer_cudnn(version, seq_len):
+    """Whether auto puts cuDNN attention first: above 9.15.0 (torch's own rule), or a cuDNN 9 at a sequence length of
+    whole 128-row tiles (CUDNN_PREFERRED_ABOVE's note)."""
+    return (version or 0) > CUDNN_PREFERRED_ABOVE or ((version or 0) >= 90000 and seq_len % CUDNN_TILE == 0)
+
+
+def cudnn_rule(version, seq_len):
+    """The line that says whether auto puts cuDNN attention first, and by which rule."""
+    release = cudnn_release(version)
     if (version or 0) > CUDNN_PREFERRED_ABOVE:
-        return f"attention: cuDNN {cudnn_release(version)} is above 9.15.0, where torch's own rule prefers cuDNN: first"
+        return f"attention: cuDNN {release} is above 9.15.0, where torch's own rule prefers cuDNN: first"
+    if prefer_cudnn(version, seq_len):
+        return (
+            f"attention: cuDNN {release} is not above 9.15.0 (torch's own rule would not prefer it), but --seq_len "
+            f"{seq_len} is whole {CUDNN_TILE}-row tiles, where its known memory-safety bug (fixed in 9.15.1) has no "
+            f"trigger: first, checked at the training call"
+        )
     return (
-        f"attention: cuDNN {cudnn_release(version)} is not above 9.15.0, below which torch's own rule does not prefer "
-        f"cuDNN attention (9.15.1 fixed a memory-safety bug in it): cudnn left out, --attention cudnn forces it"
+        f"attention: cuDNN {release} is not above 9.15.0, below which torch's own rule does not prefer cuDNN attention "
+        f"(9.15.1 fixed a memory-safety bug in it, triggered by a ragged last tile: --seq_len {seq_len}): cudnn left "
+        f"out, --attention cudnn forces it"
     )
 
 

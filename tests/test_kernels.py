@@ -85,8 +85,19 @@ def test_auto_leaves_cudnn_out_at_or_below_cudnn_9_15_0_and_says_so(backends, cu
     choice = kernels.choose_attention("auto", CALL, (10, 3), cudnn)
     assert choice.backends == ("flash", "efficient", "math") and choice.name == "flash"
     assert choice.notes[0].startswith(f"attention: cuDNN {kernels.cudnn_release(cudnn)} is not above 9.15.0, below")
-    assert choice.notes[0].endswith("cudnn left out, --attention cudnn forces it")
+    assert choice.notes[0].endswith("ragged last tile: --seq_len 64): cudnn left out, --attention cudnn forces it")
     assert kernels.cudnn_release(CUDNN_OLD) == "9.10.2" and kernels.cudnn_release(None) == "none"
+
+
+def test_an_older_cudnn_9_comes_first_where_the_sequence_is_whole_128_row_tiles(backends):
+    """The memory-safety bug below 9.15.1 needs a ragged last tile; at the event's seq_len 1024 cuDNN (~2x flash on
+    Blackwell) still comes first, checked at the training call, and the line says by which rule."""
+    whole = dataclasses.replace(CALL, seq_len=128)
+    choice = kernels.choose_attention("auto", whole, (10, 3), CUDNN_OLD)
+    assert choice.backends == ORDER and choice.name == "cudnn"
+    assert choice.notes[0].startswith("attention: cuDNN 9.10.2 is not above 9.15.0 (torch's own rule would not prefer")
+    assert "--seq_len 128 is whole 128-row tiles" in choice.notes[0]
+    assert kernels.choose_attention("auto", whole, (10, 3), 8907).backends == ORDER[1:]  # cuDNN 8: never
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), None])
