@@ -33,7 +33,7 @@ SECTIONS = {
     "tailema": "the tail EMA: the weights' average over the decay's last part, blended into the final checkpoint",
     "headloss": "the training loss: the head's matmul and cross-entropy a chunk of rows at a time",
     "plan": "the run plan before the clock: shape, tokens per step, micro-batch, forecast steps",
-    "schedule": "the schedule as a function of progress: LR fraction, Muon momentum, --mtp weights; each group's LR",
+    "schedule": "the schedule as a function of progress: LR fraction, Muon momentum; each group's LR",
     "config": "the hyperparameters: one dataclass, its flags (the organizers' names verbatim), their checks",
     "windows": "the token-file format and the training windows read from it",
     "shards": "which blocks of the data each rank reads, epoch by epoch",

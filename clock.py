@@ -5,12 +5,7 @@ The loop asks three things of a Clock, in this order, and the fake-clock tests d
     clock.sync(step, ...)     -> at a sync, with numbers all ranks agree on: the stop reason, or None to go on
     clock.begin_step(step)    -> (progress in [0, 1] for the schedule, this step's accumulation)
 Time is measured per accumulation micro-step (unit_s): a step's time is unit_s x its accumulation, so the forecasts
-stay right when the accumulation changes mid-run (a replan, or the batch ramp).
-
-The batch ramp (--ramp_frac, off by default: it lost to a constant batch, BENCHMARKS.md): when the organizers' step
-cap forces a larger batch than the recipe's, the accumulation may start at the recipe's (start_accum) and grow
-linearly over the first ramp_frac of the run to the late accumulation, chosen so that all steps still fit in
-STEP_HEADROOM x max_steps. Pure arithmetic, no sleeping.
+stay right when a replan changes the accumulation mid-run. Pure arithmetic, no sleeping.
 """
 
 import math
@@ -34,24 +29,9 @@ DOWN_MARGIN = 0.05
 COMPILE_STEP_SHARE = 0.1
 
 
-def ramp_accum(progress, start_accum, late_accum, ramp_frac):
-    """The accumulation of a step at this progress: linear from start_accum to late_accum over ramp_frac."""
-    if ramp_frac <= 0 or progress >= ramp_frac:
-        return late_accum
-    return max(start_accum, min(late_accum, round(start_accum + (late_accum - start_accum) * progress / ramp_frac)))
-
-
-def steps_between(t0, t1, unit_s, start_accum, late_accum, ramp_end_s):
-    """Steps (a real number) that run from t0 to t1 seconds when a step takes unit_s x its accumulation, which
-    grows linearly from start_accum at 0 s to late_accum at ramp_end_s and stays there."""
-    if t1 <= t0:
-        return 0.0
-    steps = max(t1 - max(t0, ramp_end_s), 0.0) / (unit_s * late_accum)
-    if t0 < ramp_end_s:  # the integral of dt / (unit_s x accum(t)) over the ramp
-        slope = (late_accum - start_accum) / ramp_end_s
-        a0, a1 = start_accum + slope * t0, start_accum + slope * min(t1, ramp_end_s)
-        steps += (min(t1, ramp_end_s) - t0) / (unit_s * a0) if slope == 0 else math.log(a1 / a0) / (unit_s * slope)
-    return steps
+def steps_between(t0, t1, unit_s, accum):
+    """Steps (a real number) that run from t0 to t1 seconds when a step takes unit_s x accum."""
+    return max(t1 - t0, 0.0) / (unit_s * accum)
 
 
 def last_step(step, fit, elapsed, budget_s, reserve_s, max_steps, planned_last):
@@ -71,12 +51,12 @@ def next_sync(step, last, step_s, log_every_s):
 
 
 def progress(step, last, end_forecast_s, start_s, end_s, cap_share, previous):
-    """Schedule progress of step (0-based): how far from start_s (the end of the compile step) to end_s (the budget, or
-    with a batch ramp the forecast end) the clock forecasts this step to end, or cap_share, the step cap's share
+    """Schedule progress of step (0-based): how far from start_s (the end of the compile step) to end_s (the budget)
+    the clock forecasts this step to end, or cap_share, the step cap's share
     (step + 1) / max_steps, whichever is ahead; exactly 1 at the planned last step; never back. Time, so a slow stretch
     moves it smoothly; a run the cap ends early is keyed to its steps, so it is deterministic. The schedule's time
     starts after compilation, so a compile of any length leaves the whole schedule (stable phase, then decay) to the
-    steps that follow it. A ramp passes cap_share 0: its many small early steps would run ahead of the clock."""
+    steps that follow it."""
     if step >= last:
         return 1.0
     return min(1.0, max(previous, (end_forecast_s - start_s) / max(end_s - start_s, 1e-9), cap_share))
@@ -126,16 +106,13 @@ class Clock:
         val_until_s=0.0,
         val_batches=0,
         val_tokens=0,
-        start_accum=None,
         min_accum=1,
-        ramp_frac=0.0,
         progress_by_steps=False,
     ):
         self.budget_s, self.max_steps, self.accum, self.log_every_s = budget_s, max_steps, accum, log_every_s
         self.may_replan, self.micro_tokens, self.notes = may_replan, micro_tokens, []
-        self.start_accum = accum if start_accum is None else start_accum  # the ramp's first accumulation
         self.min_accum = min(min_accum, accum)  # a replan never goes below the recipe's batch
-        self.ramp_frac, self.progress_by_steps = ramp_frac, progress_by_steps
+        self.progress_by_steps = progress_by_steps
         self.planned_unit_s = planned_step_s / accum  # the plan's forecast, until step 2 measures one
         self.val_every_s, self.val_until_s = val_every_s, val_until_s  # periodic validation stops at val_until_s
         self.val_batches, self.val_tokens, self.val_token_s = val_batches, val_tokens, None
@@ -144,7 +121,7 @@ class Clock:
         self.end_s = budget_s  # forecast end of training: the budget, or sooner when the step cap binds
         self.prev_step, self.prev_elapsed, self.prev_paused = 0, 0.0, 0.0
         self.units, self.prev_units = 0, 0  # accumulation micro-steps begun in all, and at the last sync
-        self.done, self.step_accum = 0.0, self.start_accum
+        self.done, self.step_accum = 0.0, accum
         self._said = set()
 
     @property
@@ -167,11 +144,9 @@ class Clock:
         if self.progress_by_steps:
             self.done = (step + 1) / self.max_steps
         else:
-            end_s, cap_share = (self.end_s, 0.0) if self.ramp_frac else (self.budget_s, (step + 1) / self.max_steps)
-            forecast = self._end_forecast(step)
-            self.done = progress(step, self.last, forecast, self.start_s, end_s, cap_share, self.done)
-        ramp = ramp_accum(self._end_forecast(step) / self.budget_s, self.start_accum, self.accum, self.ramp_frac)
-        self.step_accum = max(self.step_accum, ramp)  # a forecast that moves back at a sync never shrinks the batch
+            forecast, cap_share = self._end_forecast(step), (step + 1) / self.max_steps
+            self.done = progress(step, self.last, forecast, self.start_s, self.budget_s, cap_share, self.done)
+        self.step_accum = self.accum
         self.units += self.step_accum
         return self.done, self.step_accum
 
@@ -182,8 +157,7 @@ class Clock:
     def _steps_left(self, elapsed, reserve_s, accum):
         """(steps that fit in the rest of the budget with this late accumulation, a real number; seconds they use)."""
         end = self.budget_s - reserve_s
-        ramp_end = self.ramp_frac * self.budget_s if self.start_accum < accum else 0.0
-        steps = steps_between(elapsed, end, self.unit_s, self.start_accum, accum, ramp_end)
+        steps = steps_between(elapsed, end, self.unit_s, accum)
         return steps, end - elapsed - (steps - int(steps)) * self.unit_s * accum
 
     def _val_batch_s(self):
@@ -268,9 +242,8 @@ class Clock:
         # in the first half of the time after the compile step: later, the batch stays through the decay
         if self.may_replan and self.unit_s is not None and elapsed < (self.start_s + self.budget_s) / 2:
             # the device is not the forecast: the accumulation follows it, so the run ends near the step cap's steps
-            floor = self.accum if self.ramp_frac else self.min_accum  # a ramp plans its own growth: only up
             new = replanned_accum(
-                step, self.max_steps, self.accum, floor, lambda a: self._steps_left(elapsed, reserve_s, a)
+                step, self.max_steps, self.accum, self.min_accum, lambda a: self._steps_left(elapsed, reserve_s, a)
             )
             if new is not None:
                 why = "the budget fits in --max_steps" if new > self.accum else "the steps fill --max_steps"

@@ -75,13 +75,6 @@ class Hyperparameters:
     micro_batch: int | None = flag(
         "auto", "sequences per device per forward; auto: as many as memory allows", int, **POSITIVE
     )
-    ramp_frac: float = flag(
-        0.0,
-        "when --max_steps forces more tokens per step than the recipe's: start at the recipe's and grow them linearly "
-        "over this fraction of the budget (all steps still fit in the cap); 0: the forced batch throughout",
-        at_least=0.0,
-        below=1.0,
-    )
     dry_run: bool = flag(False, "print the plan and exit before any forward pass")
     world_size: int = flag("auto", "with --dry_run: plan for this many devices; auto: this launch's", int, **POSITIVE)
     peak_tflops: float | None = flag(
@@ -195,15 +188,6 @@ class Hyperparameters:
     )
     muon_momentum: float = flag(0.95, "Muon momentum after --momentum_warmup_frac", at_least=0.0, below=1.0)
     momentum_warmup_frac: float = flag(0.15, "fraction of the run over which Muon momentum warms up", **FRACTION)
-    # multi-token prediction, [1, 0.5, 0.25 -> 0] over the first 1/12 of the steps, [1, 0.5 -> 0] to 1/6, then the
-    # next token alone: mnGPT short track #53 (2025-12-22, with the late untie: -80 of ~1,845 steps), medium track
-    # since #188. Here at l4w128: +0.099/+0.124/+0.124 at 100 steps (worse on 3/3 seeds, beyond the noise); step time
-    # unchanged (BENCHMARKS.md, "Issue 45"): off
-    mtp: bool = flag(
-        False,
-        "multi-token prediction early in the run: the head's logits also scored against the 2nd and 3rd next tokens, "
-        "their weights fading to 0 by 1/6 of the run (schedule.mtp_weights); validation stays next-token",
-    )
     # --- device and runtime ---
     device: str = flag("auto", "auto (CUDA if present), cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
@@ -272,11 +256,24 @@ def add_boolean(parser, name, default, help_text):
     parser.add_argument(f"--no-{name}", dest=name, action="store_false", default=default, help=argparse.SUPPRESS)
 
 
+# experiments that lost, retired: given, each is one sentence naming what replaced it (exit 2), never silently ignored
+RETIRED = {
+    "mtp": 'multi-token prediction lost at fixed steps (worse on 3 of 3 seeds; BENCHMARKS.md, "Multi-token '
+    'prediction"): training scores the next token',
+    "ramp_frac": "the batch ramp lost to a constant batch (BENCHMARKS.md, \"The recipe under the organizers' step "
+    'cap"): the forced batch runs from the first step, its accumulation replanned by the clock',
+}
+
+
 def parse_args(argv=None):
     """(Hyperparameters, model.py switches given, unknown flags). Flags come from the dataclass, plus one per
-    model.py switch (default: model.py's own)."""
+    model.py switch (default: model.py's own); a RETIRED flag is an error naming what replaced it."""
     # no prefix matching: an unknown --warmup must be ignored, not read as --warmup_frac
     parser = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    for arg in sys.argv[1:] if argv is None else argv:
+        name = arg.partition("=")[0].removeprefix("--").removeprefix("no-")
+        if arg.startswith("--") and name in RETIRED:
+            parser.error(f"--{name} was retired: {RETIRED[name]}")
     for f in dataclasses.fields(Hyperparameters):
         kind, help_text = (
             f.metadata["kind"] or (f.type if f.type in (int, float, bool) else str),

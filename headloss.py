@@ -11,7 +11,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 
 LOG2E = 1 / math.log(2)
@@ -20,9 +19,8 @@ LOG2E = 1 / math.log(2)
 def chunk_loss(y, targets, mix, cap, need_grad):
     """The loss math of one chunk, in place: y (rows, V), the head matmul's output as HeadLoss scales it (capped:
     -2/cap times x @ weight.T; uncapped: log2(e) times it), in the matmul's dtype, upcast to float32 first; targets
-    (rows, k), each row's next token and with multi-token prediction the k - 1 after it, scored against the same
-    logits; mix (rows, k), each target's share of its row's loss (a row's shares sum to 1, an ignored target's is 0).
-    Returns the row losses (the mix of the targets' cross-entropies), the row sums of the exps and, with need_grad,
+    (rows, 1), each row's next token; mix (rows, 1), 1 where the target counts and 0 where it is ignored.
+    Returns the row losses (cross-entropies, 0 where ignored), the row sums of the exps and, with need_grad,
     the rows' loss gradients by x @ weight.T in y's dtype, each times its row sum over HeadLoss's slope. Eagerly
     each op is one pass over the chunk, in place where it can be: on CPU the sigmoid's and exp2's arithmetic bounds
     them, so fewer passes would not pay (BENCHMARKS.md).
@@ -35,14 +33,14 @@ def chunk_loss(y, targets, mix, cap, need_grad):
         z = s * (-2 * cap * LOG2E)
     else:
         z = y.sub_(y.amax(1, keepdim=True))
-    target_logit = (z.gather(1, targets) * mix).sum(1, keepdim=True) / LOG2E
+    target_logit = z.gather(1, targets) * mix / LOG2E
     e = z.exp2_()
     total = e.sum(1, keepdim=True)
     row_loss = (total.log() - target_logit).squeeze(1)
     if not need_grad:
         return row_loss, total, None
-    # d loss_row / d logits = softmax - the mix of one-hots = (e - total * mixed one-hots) / total; the 1/total is
-    # left to the caller
+    # d loss_row / d logits = softmax - the target's one-hot = (e - total * one-hot) / total; the 1/total is left to
+    # the caller
     g = e.scatter_add_(1, targets, -total * mix)
     if cap:
         g = torch.ops.aten.sigmoid_backward.grad_input(g, s, grad_input=s)  # s is not needed again
@@ -64,16 +62,15 @@ def functional_chunk_loss(y, targets, mix, cap, need_grad):
         top = y.amax(1, keepdim=True).to(acc)
         z = y.to(acc) - top
         target_z = y.gather(1, targets).to(acc) - top
-    target_logit = (target_z * mix).sum(1, keepdim=True) / LOG2E  # rounded as chunk_loss
+    target_logit = target_z * mix / LOG2E  # rounded as chunk_loss
     e = z.exp2()
     total = e.sum(1, keepdim=True)
     row_loss = (total.log() - target_logit).squeeze(1)
     if not need_grad:
         return row_loss, total, None
     columns = torch.arange(y.size(1), device=y.device)
-    # a comparison per target in the one pointwise pass: k targets add no pass over the chunk
-    mixed_one_hots = sum(torch.where(columns == targets[:, j, None], mix[:, j, None], 0.0) for j in range(mix.size(1)))
-    g = e - total * mixed_one_hots
+    one_hots = torch.where(columns == targets, mix, 0.0)  # a comparison inside the one pointwise pass, not a scatter
+    g = e - total * one_hots
     if cap:
         g = g * (1 - s) * s  # sigmoid's derivative, in sigmoid_backward's order
     return row_loss, total, g.to(y.dtype)
@@ -90,20 +87,15 @@ class HeadLoss(torch.autograd.Function):
       sigmoid_backward pass with the softmax gradient;
     - logits are kept in base 2 (scaled by log2(e), folded into a scalar that is applied anyway): exp2 is ~half
       the cost of exp on CPU.
-    Targets -100 are left out of the mean, as F.cross_entropy does. With k targets a row (multi-token prediction),
-    each one's cross-entropy counts times its weight; the mean is still over the counted next-token targets."""
+    Targets -100 are left out of the mean, as F.cross_entropy does."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, target_weights, cap, rows, dtype, need_grad, chunk_fn):
-        # x (N, C), weight (V, C), targets (N, k), target_weights (k,) or None (k = 1); dtype is the matmuls'
-        # (autocast's), the loss math float32 or wider
+    def forward(ctx, x, weight, targets, cap, rows, dtype, need_grad, chunk_fn):
+        # x (N, C), weight (V, C), targets (N, 1); dtype is the matmuls' (autocast's), the loss math float32 or wider
         acc = torch.promote_types(dtype, torch.float32)
         valid = targets != -100
-        weights = valid.to(acc) if target_weights is None else valid * target_weights.to(acc)
-        row_total = weights.sum(1, keepdim=True)
-        # each row's share of the mean over the counted next-token targets, as F.cross_entropy takes it
-        row_weight = row_total.squeeze(1) / valid[:, 0].sum()
-        mix = weights / row_total.clamp(min=torch.finfo(acc).tiny)  # a row with nothing counted: zeros
+        mix = valid.to(acc)
+        row_weight = mix.squeeze(1) / valid.sum()  # each row's share of the mean over the counted targets
         targets = targets.masked_fill(~valid, 0)
         w = weight.to(dtype)
         # capped: the matmul gives -2y/cap and s = sigmoid(-2y/cap); the base-2 logits minus their bound are
@@ -133,7 +125,7 @@ class HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dx, dw = ctx.saved_tensors
-        return dx * grad, dw * grad, None, None, None, None, None, None, None
+        return dx * grad, dw * grad, None, None, None, None, None, None
 
 
 # float32 logits per head_loss chunk, at most. CPU: the (rows, C) @ (C, V) matmul gains up to ~500 rows (measured at
@@ -157,23 +149,15 @@ def chunk_rows(n_rows, vocab_size, max_bytes):
     return cap
 
 
-def head_loss(x, weight, targets, cap=0.0, rows=None, chunk_fn=chunk_loss, mtp_weights=None):
+def head_loss(x, weight, targets, cap=0.0, rows=None, chunk_fn=chunk_loss):
     """F.cross_entropy(cap * tanh(x @ weight.T / cap), targets) (cap 0: no cap) for x (N, C), weight (V, C) and
     targets (N,) or (B, T) windows of B * T = N tokens, never holding the (N, V) logits. rows: tokens per chunk; by
-    default chunk_rows under LOSS_CHUNK_BYTES. chunk_fn: chunk_loss, or its compiled form.
-    mtp_weights: multi-token prediction (the mnGPT records' form): a (k,) tensor of weights, the loss then the mean
-    over next-token targets of sum_j mtp_weights[j] * cross-entropy against the target j places later in the same
-    window (j = 0: the next token). Targets past a window's end are none (ignored, as the record drops them past its
-    sequence's end). Data, not shapes: new weights reuse the compiled graphs, k sets them."""
+    default chunk_rows under LOSS_CHUNK_BYTES. chunk_fn: chunk_loss, or its compiled form."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     rows = rows or chunk_rows(x.size(0), weight.size(0), LOSS_CHUNK_BYTES.get(device, LOSS_CHUNK_BYTES["cpu"]))
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    k = 1 if mtp_weights is None else mtp_weights.numel()
-    windows = targets.long().reshape(-1, targets.size(-1))
-    if k > 1:  # (B, T, k): position t's next k tokens in its window, none (-100) past its end
-        windows = F.pad(windows, (0, k - 1), value=-100).unfold(1, k, 1)
-    return HeadLoss.apply(x, weight, windows.reshape(-1, k), mtp_weights, cap, rows, dtype, need_grad, chunk_fn)
+    return HeadLoss.apply(x, weight, targets.long().reshape(-1, 1), cap, rows, dtype, need_grad, chunk_fn)
 
 
 # The form a compiled run traces, by device. CUDA: bytes bound the loss math, and the functional form moves ~6x fewer

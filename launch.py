@@ -21,15 +21,7 @@ from shards import Deal
 from synthetic import SYNTH_STATES
 from windows import WindowSpec
 from muon import build_optimizers
-from plan import (
-    AUTO_EFFICIENCY,
-    RAMP_MIN_STEPS,
-    TOKENS_PER_PARAM,
-    RunPlan,
-    agreed_matmul_rate,
-    device_memory,
-    make_plan,
-)
+from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
 from checkpoint import Checkpointer, check_room
 from deadline import budget_until, training_deadline
 from kernels import AttentionCall, agreed_attention, choose_attention, point_triton_at_ptxas, triton_version
@@ -43,6 +35,7 @@ from ranks import (
     launcher_env,
     leave_together,
     lower_backward_in_forward,
+    StopSignals,
     sentence,
     torch_problem,
     versions,
@@ -50,9 +43,9 @@ from ranks import (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """Everything the loop reads, built and checked before the clock."""
+    """Everything the loop reads, built and checked before the clock; the loop changes none of it."""
 
     hp: object  # config.Hyperparameters, resolved: no "auto" left (None where the plan decided)
     plan: RunPlan
@@ -72,9 +65,8 @@ class Run:
     config: dict  # what checkpoints store: the hyperparameters, the plan and model.py's config
     checkpointer: Checkpointer
     metrics: MetricsFile | None  # rank 0's locked metrics file and its writer thread
-    stop_signal: list
+    stop_signals: StopSignals
     say: object
-    data_gone: str | None = None  # this rank's DataChanged, carried to every rank by the next host sync
 
 
 def save_step_zero(checkpointer, raw_model, config, rank, device, world):
@@ -101,7 +93,7 @@ def refused_together(error, device, world, rank):
         raise
 
 
-def launch(hp, model_switches, stop_signal, say):
+def launch(hp, model_switches, stop_signals, say):
     """Everything before the clock, in order: process group, checks, plan, model, step-0 save, warm collectives."""
     if problem := torch_problem(torch.__version__):
         fail(f"error: {problem}")
@@ -160,7 +152,7 @@ def launch(hp, model_switches, stop_signal, say):
         config=config,
         checkpointer=checkpointer,
         metrics=metrics,
-        stop_signal=stop_signal,
+        stop_signals=stop_signals,
         say=say,
     )
 
@@ -269,7 +261,6 @@ def build_plan(hp, model_switches, device, world, budget_s, say):
         batch_size=hp.batch_size,
         micro_batch=hp.micro_batch,
         batch_tokens=hp.batch_tokens,
-        ramp_frac=hp.ramp_frac,
         matmul_rate=rate,
         efficiency=hp.auto_efficiency,
         memory_bytes=memory,
@@ -330,11 +321,6 @@ def check_plan(plan, hp, memory, budget_s, say):
             f"--micro_batch {hp.micro_batch}: {plan.tokens_per_step:,} tokens per step, not "
             f"{plan.asked_tokens_per_step:,}: a step is whole micro-batches of {plan.world_size} x {plan.micro_batch} "
             f"x {plan.seq_len} tokens"
-        )
-    if hp.ramp_frac and hp.batch_tokens is None and not plan.ramp_frac:
-        say(
-            f"--ramp_frac {hp.ramp_frac:g} is off: --max_steps {hp.max_steps} leaves too few steps to ramp the batch "
-            f"over (a ramp needs {RAMP_MIN_STEPS} planned); the plan's batch throughout"
         )
     if hp.grad_accum_steps not in (None, plan.grad_accum_steps):
         say(f"--grad_accum_steps {hp.grad_accum_steps} is derived by the plan: {plan.grad_accum_steps}")

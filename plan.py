@@ -25,7 +25,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from clock import STEP_HEADROOM, steps_between
+from clock import STEP_HEADROOM
 from headloss import LOSS_CHUNK_BYTES, chunk_rows
 from model import GPTConfig, get_model
 
@@ -49,9 +49,6 @@ MIN_TOKENS_PER_STEP = {"cuda": 524288, "cpu": 2048}
 # GEMMs with this many rows already run at full speed; more would only cost activation memory
 MAX_MICRO_TOKENS = {"cuda": 32768, "cpu": 8192}
 PEAK_BF16_TFLOPS = {"B300": 2250, "B200": 2250, "H200": 989, "H100": 989, "A100": 312}  # dense, per GPU
-# a batch ramp needs room: planned under this many steps (a --max_steps under ~45) it grew in a few uneven jumps, and
-# in the clock's simulation (tests/test_faults3.py) runs ended with 4-95% of the budget used; the flat plan then
-RAMP_MIN_STEPS = 40
 BYTES_PER_PARAM = 16  # fp32 weight + grad + two AdamW moments (Muon keeps one): the upper bound
 # with several ranks, DDP's fp32 gradient buckets: the gradients are views of them once a step has synced, but a
 # step's first micro-steps make fresh gradients while .grad is None (step 0, and a step after a rollback)
@@ -78,14 +75,11 @@ class RunPlan:
     flops_per_token: float
     world_size: int
     seq_len: int
-    tokens_per_step: int  # global, per optimizer step (after the batch ramp, if any)
-    asked_tokens_per_step: int  # what the rules asked for, before whole micro-batches rounded it up (no ramp)
+    tokens_per_step: int  # global, per optimizer step
+    asked_tokens_per_step: int  # what the rules asked for, before whole micro-batches rounded it up
     micro_batch: int  # sequences per device per forward/backward
-    grad_accum_steps: int  # after the ramp
+    grad_accum_steps: int
     min_accum: int  # the smallest the clock may replan to: the recipe's minimum tokens per step at this micro-batch
-    start_accum: int  # the first step's: the recipe's batch when the cap binds and the ramp runs, else grad_accum_steps
-    ramp_frac: float  # fraction of the budget over which the accumulation grows from start_accum; 0: no ramp
-    ramp_steps: int  # forecast steps during the ramp
     step_s: float  # forecast seconds per optimizer step
     steps: int  # forecast optimizer steps (never above max_steps)
     tokens: int  # forecast training tokens
@@ -100,20 +94,12 @@ class RunPlan:
 
     def line(self):
         snapshots = "on it" if self.snapshots_on_device else "in pinned host memory"
-        ramp = ""
-        if self.start_accum < self.grad_accum_steps:
-            unit = self.tokens_per_step // self.grad_accum_steps
-            ramp = (
-                f" | ramp: {unit * self.start_accum:,} -> {self.tokens_per_step:,} tokens/step (accumulation "
-                f"{self.start_accum} -> {self.grad_accum_steps}) over the first {self.ramp_frac:.0%} of the budget "
-                f"(~{self.ramp_steps:,} steps), then {self.steps - self.ramp_steps:,} steps of {self.tokens_per_step:,}"
-            )
         return (
             f"{self.model} ({self.n_params / 1e6:.1f}M params) | {self.tokens_per_step:,} tokens/step = "
             f"{self.world_size} x {self.micro_batch} x {self.seq_len} x {self.grad_accum_steps} accum | forecast "
             f"{self.step_s * 1e3:.4g} ms/step x {self.steps:,} steps = {self.tokens / 1e9:.4g}B tokens in "
             f"{self.train_s:.0f} s, {self.tokens_per_param:.3g} tokens/param, {self.memory_gib:.3g} GiB/device + "
-            f"{self.snapshot_gib:.3g} GiB of rollback snapshots {snapshots}{ramp}"
+            f"{self.snapshot_gib:.3g} GiB of rollback snapshots {snapshots}"
         )
 
 
@@ -208,56 +194,18 @@ def _micro_and_accum(
     return micro_batch, math.ceil(seqs / micro_batch)
 
 
-def late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps):
-    """The smallest accumulation a ramp from start_accum over ramp_frac of the budget can grow to while all its
-    steps fit in STEP_HEADROOM x max_steps (the steps only fall as it grows: doubled, then bisected)."""
-
-    def fits(accum):
-        steps = steps_between(0.0, budget_s, unit_s, start_accum, accum, ramp_frac * budget_s)
-        return steps <= STEP_HEADROOM * max_steps
-
-    low, high = start_accum - 1, start_accum  # fits(low) is false (or low is below the ramp's start)
-    while not fits(high):
-        low, high = high, 2 * high
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return high
-
-
-def seconds_of_steps(steps, unit_s, start_accum, late_accum, ramp_end_s, budget_s):
-    """When the first `steps` steps end (at most budget_s): steps_between inverted, by bisection under a ramp."""
-    if ramp_end_s <= 0 or start_accum == late_accum:
-        return steps * unit_s * late_accum
-    low, high = 0.0, budget_s
-    for _ in range(60):
-        mid = (low + high) / 2
-        if steps_between(0.0, mid, unit_s, start_accum, late_accum, ramp_end_s) < steps:
-            low = mid
-        else:
-            high = mid
-    return high
-
-
-def _step_batches(costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, ramp_frac, sizing):
-    """(micro-batch, first step's accumulation, accumulation after the ramp, the tokens per step asked for, or None
-    under a ramp) for --batch_tokens, or for the recipe's
-    minimum raised so that the budget fits in STEP_HEADROOM x max_steps; when that cap binds and ramp_frac > 0, the
-    micro-batch is the recipe's batch and the ramp grows from it (late_accum)."""
+def _step_batches(costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, sizing):
+    """(micro-batch, accumulation, the tokens per step asked for) for --batch_tokens, or for the recipe's minimum
+    raised so that the budget fits in STEP_HEADROOM x max_steps."""
     kind, seq_len = sizing["kind"], sizing["seq_len"]
     if batch_tokens is None:
         # at least 1 / STEP_HEADROOM steps' worth of budget: with --max_steps 1 the one step fits inside the budget
         steps = max(STEP_HEADROOM * max_steps, 1 / STEP_HEADROOM)
         batch_tokens = max(MIN_TOKENS_PER_STEP[kind], math.ceil(tokens_per_s * budget_s / steps))
-        if ramp_frac and batch_tokens > MIN_TOKENS_PER_STEP[kind]:
-            recipe_seqs = math.ceil(MIN_TOKENS_PER_STEP[kind] / (world_size * seq_len))
-            micro_batch, start_accum = _micro_and_accum(costs, shape, recipe_seqs, **sizing)
-            unit_s = world_size * micro_batch * seq_len / tokens_per_s
-            return micro_batch, start_accum, late_accum(start_accum, unit_s, budget_s, ramp_frac, max_steps), None
     forced = batch_tokens > MIN_TOKENS_PER_STEP[kind] and sizing["micro_batch"] is None
     seqs = math.ceil(batch_tokens / (world_size * seq_len))
     micro_batch, accum = _micro_and_accum(costs, shape, seqs, **sizing, split=FORCED_SPLIT if forced else 1)
-    return micro_batch, accum, accum, batch_tokens
+    return micro_batch, accum, batch_tokens
 
 
 def _shape_plan(
@@ -271,7 +219,6 @@ def _shape_plan(
     seq_len,
     vocab_size,
     batch_tokens,
-    ramp_frac,
     matmul_rate,
     efficiency,
     memory_bytes,
@@ -285,18 +232,15 @@ def _shape_plan(
     tokens_per_s = matmul_rate * efficiency * world_size / fpt
     held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)  # what memory_needed counts beyond the shape
     sizing = dict(seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **held, **micro)
-    if STEP_HEADROOM * max_steps < RAMP_MIN_STEPS:  # too few steps to ramp over: the flat plan (launch.py says so)
-        ramp_frac = 0.0
-    micro_batch, start_accum, accum, asked = _step_batches(
-        costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, ramp_frac, sizing
+    micro_batch, accum, asked = _step_batches(
+        costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, sizing
     )
-    ramp = ramp_frac if batch_tokens is None else 0.0  # the clock ramps whenever a replan raises the batch too
     tokens_per_step = world_size * micro_batch * seq_len * accum
     step_s = tokens_per_step / tokens_per_s
-    steps_fit = steps_between(0.0, budget_s, step_s / accum, start_accum, accum, ramp * budget_s)
-    steps = min(max_steps, int(steps_fit))
-    train_s = seconds_of_steps(steps, step_s / accum, start_accum, accum, ramp * budget_s, budget_s)
-    tokens = int(train_s * tokens_per_s) if ramp else steps * tokens_per_step
+    unit_s = step_s / accum  # a micro-step's seconds, as the clock counts them
+    steps = min(max_steps, int(budget_s / (unit_s * accum)))
+    train_s = steps * unit_s * accum
+    tokens = steps * tokens_per_step
     memory = memory_needed(costs, shape, micro_batch, seq_len, bf16, **held)
     snapshots = 2 * snapshot_bytes(costs, muon)  # trusted and pending
     # rollback.Snapshot's own test: on a CUDA device with room for both twice over, else in pinned host memory
@@ -310,15 +254,10 @@ def _shape_plan(
         world_size=world_size,
         seq_len=seq_len,
         tokens_per_step=tokens_per_step,
-        asked_tokens_per_step=asked or tokens_per_step,
+        asked_tokens_per_step=asked,
         micro_batch=micro_batch,
         grad_accum_steps=accum,
         min_accum=min(accum, max(1, math.ceil(MIN_TOKENS_PER_STEP[kind] / (world_size * micro_batch * seq_len)))),
-        start_accum=start_accum,
-        ramp_frac=ramp,
-        ramp_steps=int(steps_between(0.0, ramp * budget_s, step_s / accum, start_accum, accum, ramp * budget_s))
-        if start_accum < accum
-        else 0,
         step_s=step_s,
         steps=steps,
         tokens=tokens,

@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 import traceback
+from contextlib import contextmanager
 
 import torch
 import torch._functorch.config
@@ -149,7 +150,7 @@ def init_device(hp, rank, local_rank, world):
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             fail(
                 f"error: rank {rank}: the {world} ranks of WORLD_SIZE did not all join at {where} within "
-                f"--collective_timeout_min {hp.collective_timeout_min:g} ({str(e).splitlines()[0][:160]}); start "
+                f"--collective_timeout_min {hp.collective_timeout_min:g} ({first_line(e, 160)}); start "
                 f"every rank (torchrun starts them all) or fix WORLD_SIZE"
             )
     return device
@@ -175,12 +176,12 @@ def sentence(error):
     file) names its file; anything else keeps its traceback on this rank's stderr, for whoever debugs it. A lost peer
     (lost_contact) is raised again: no other rank is left to agree with."""
     if isinstance(error, RuntimeError) and dist.is_initialized() and lost_contact(error):
-        raise error  # a peer gone in a collective is no input error: train.main says it in one sentence
+        raise error  # a peer gone in a collective is no input error: lost_peers says it in one sentence
     if isinstance(error, OSError) and error.strerror:
         return f"{error.filename or 'a file'}: {error.strerror}" + (f" ({error.filename2})" if error.filename2 else "")
     if not isinstance(error, (ValueError, OSError)):
         traceback.print_exc()
-        return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]} (traceback above)"
+        return f"{type(error).__name__}: {first_line(error)} (traceback above)"
     return str(error)
 
 
@@ -234,9 +235,47 @@ def lost_contact(error):
     )
 
 
-def why(error):
-    """The first line of a collective's error, for a one-sentence message."""
-    return str(error).splitlines()[0][:200]
+def first_line(error, limit=200):
+    """An exception's message as one line of a sentence: its first non-empty line, cut at limit characters."""
+    return (str(error).strip().splitlines() or [""])[0][:limit]
+
+
+@contextmanager
+def lost_peers(when, kept, on_lost=lambda: None):
+    """A peer gone or frozen in a collective inside the block (lost_contact) ends this rank with one sentence and exit
+    1, not a traceback or a hang until the SLURM wall: on_lost first (what must reach disk), then "lost contact with
+    the other ranks{when} (why); {kept}". Any other error is raised as it is."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not (dist.is_initialized() and lost_contact(e)):
+            raise
+        on_lost()
+        fail(f"error: rank {dist.get_rank()} lost contact with the other ranks{when} ({first_line(e)}); {kept}", code=1)
+
+
+def end_ranks(code, device):
+    """Every rank meets the others at a final barrier, then exits with code. A peer gone by then takes nothing from the
+    run: every rank has saved and validated."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        except RuntimeError as e:
+            if not lost_contact(e):
+                raise
+            rank, why = dist.get_rank(), first_line(e)
+            print(
+                f"warning: rank {rank}: a peer left before the final barrier ({why}); the run had finished",
+                file=sys.stderr,
+                flush=True,
+            )
+        dist.destroy_process_group()
+        if device.type == "cpu":  # torch 2.13's gloo can abort in interpreter teardown (~10% of clean runs)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    if code:
+        sys.exit(code)
 
 
 def fail(message, code=2):
@@ -265,6 +304,20 @@ def warm_collectives(device):
 # every way a job is told to stop: preemption and torchrun (TERM), Ctrl-C (INT), a dropped ssh session (HUP),
 # `sbatch --signal` (USR1, USR2), a quit key (QUIT), a CPU-time limit (XCPU)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU")
+
+
+class StopSignals:
+    """Any of STOP_SIGNALS, noted from here on and obeyed by the loop: it finishes the current step (or micro-step),
+    saves, validates and exits 0."""
+
+    def __init__(self):
+        self.signals = []
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, name), lambda sig, frame: self.signals.append(sig))
+
+    @property
+    def received(self):
+        return bool(self.signals)
 
 
 def stop_with_the_launcher(parent=None):

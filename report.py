@@ -18,8 +18,8 @@ from streams import lost_log_streams
 
 
 def summary_row(run, clock, state, val_loss, val_batches):
-    """The final metrics row: what happened, beside the plan; clock start, start-up and bad windows agreed over
-    ranks."""
+    """The final metrics row: what happened (state: train.Trainer), beside the plan; clock start, start-up and bad
+    windows agreed over ranks."""
     first_clock = torch.tensor([state.clock_start_unix], device=run.device, dtype=torch.float64)
     startup = torch.tensor(
         [-1.0 if state.startup_s is None else state.startup_s], device=run.device, dtype=torch.float64
@@ -44,8 +44,8 @@ def summary_row(run, clock, state, val_loss, val_batches):
         else 0,
         "compile_fallback": state.compile_fallback,  # the first failing rank's reason
         "compile_fallback_ranks": state.compile_fallback_ranks,  # every rank that runs eagerly since step 0
-        "attention": run.attention.name,  # the SDPA backend preferred (kernels.choose_attention)
-        "attention_op": run.attention.op,  # the one torch picks under it for the training call: what step 0 compiled
+        "attention": state.attention.name,  # the SDPA backend preferred (kernels.choose_attention)
+        "attention_op": state.attention.op,  # the one torch picks under it for the training call: what step 0 compiled
         "eager_runs": eager_runs.item(),  # calls of compiled regions run eagerly after a guard miss (slower steps)
         "final_lr_frac": state.lr_frac,
         "stop_reason": state.stop_reason,
@@ -139,7 +139,7 @@ METRICS_DRAIN_S = 30.0
 def close_metrics(run):
     """Rank 0's metrics file, its queued rows written: at most METRICS_DRAIN_S, never past half the job's remaining
     time; a writer still stuck is said and left behind."""
-    if run.metrics is None:
+    if run.metrics is None or run.metrics.closed:
         return
     job_left = run.deadline + run.hp.slurm_reserve_s - time.time()
     wait_s = max(min(METRICS_DRAIN_S, job_left / 2), 0.0)
@@ -150,7 +150,6 @@ def close_metrics(run):
         )
     elif why := run.metrics.failure():
         run.say(metrics_failure(run.hp.metrics_path, why))
-    run.metrics = None
 
 
 def metrics_failure(path, why):
@@ -182,7 +181,7 @@ class Logger:
 
     def emit(self, row):
         """Queue the row (rank 0); a file that stopped taking rows (a full disk) is said once, and training goes on."""
-        if self.run.metrics is None:
+        if self.run.metrics is None or self.run.metrics.closed:
             return
         self.run.metrics.put(row)
         if why := self.run.metrics.failure():
@@ -245,7 +244,8 @@ class StepProfile:
     PROFILE_FROM, each marked "step N"; then a Chrome trace beside the metrics (Perfetto and chrome://tracing open
     it) and the top ops by self time. The window is on the clock: each profiled step's time beyond the clock's
     forecast of it, and the export, are counted as paused (like a validation), so the step time the clock measures
-    stays the unprofiled one. The loop calls begin and end around every step and close after the last."""
+    stays the unprofiled one. The loop calls begin and end around every step and close after the last; end and close
+    return the seconds to count as paused."""
 
     def __init__(self, run, clock):
         self.run, self.clock, self.profiler, self.mark, self.done = run, clock, None, None, False
@@ -265,33 +265,34 @@ class StepProfile:
         self.mark = torch.profiler.record_function(f"step {step}")
         self.mark.__enter__()
 
-    def end(self, state):
-        """After a step: its time beyond the clock's forecast counted as paused; the trace written after the last."""
+    def end(self, step):
+        """After a step (step: the steps done): its time beyond the clock's forecast, and after the window's last
+        step the trace's export (close)."""
         if self.mark is None:
-            return
+            return 0.0
         self.mark.__exit__(None, None, None)
         self.mark = None
         if self.run.device.type == "cuda":  # the GPU's share of the window ends in it
             torch.cuda.synchronize(self.run.device)
-        state.paused += max(time.perf_counter() - self.step_start - self.clock.step_s, 0.0)
-        if state.step - self.first >= PROFILE_STEPS:
-            self.close(state)
+        paused = max(time.perf_counter() - self.step_start - self.clock.step_s, 0.0)
+        return paused + (self.close(step) if step - self.first >= PROFILE_STEPS else 0.0)
 
-    def close(self, state):
-        """The trace written and the top ops said (a run that ended inside the window: what it recorded)."""
+    def close(self, step):
+        """The trace written and the top ops said (a run that ended inside the window: what it recorded); returns
+        the export's seconds."""
         if self.profiler is None or self.done:
-            return
+            return 0.0
         self.done, export_start = True, time.perf_counter()
         self.profiler.__exit__(None, None, None)
         self.profiler.export_chrome_trace(self.path)
         sort = "self_device_time_total" if self.run.device.type == "cuda" else "self_cpu_time_total"
         table = self.profiler.key_averages().table(sort_by=sort, row_limit=PROFILE_TOP_OPS)
         paused = time.perf_counter() - export_start
-        state.paused += paused
         self.run.say(
-            f"profile: steps {self.first}-{state.step - 1} in {self.path} (open it in https://ui.perfetto.dev or "
+            f"profile: steps {self.first}-{step - 1} in {self.path} (open it in https://ui.perfetto.dev or "
             f"chrome://tracing); the export's {paused:.1f} s and the profiler's overhead are counted as paused\n{table}"
         )
+        return paused
 
 
 def human_summary(summary, hp):

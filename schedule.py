@@ -1,5 +1,5 @@
 """The schedule, a function of the run's progress in [0, 1] (the clock's, or steps'): the LR fraction (warmup, stable,
-linear decay to the floor), Muon's momentum and --mtp's weights; and each group's LR from it, the batch rule and the
+linear decay to the floor) and Muon's momentum; and each group's LR from it, the batch rule and the
 rollbacks so far. train.py calls these once per optimizer step."""
 
 import math
@@ -22,14 +22,6 @@ def schedule(progress_frac, hp):
     warm = min(p / hp.momentum_warmup_frac, 1.0) if hp.momentum_warmup_frac > 0 else 1.0
     momentum = hp.muon_momentum_start + warm * (hp.muon_momentum - hp.muon_momentum_start)
     return min(lr_frac, 1.0), momentum
-
-
-def mtp_weights(progress_frac):
-    """--mtp's weights of the next 1, 2 and 3 tokens at progress (mnGPT's, keyed there to steps / scheduled steps):
-    the third fades 0.25 -> 0 over the first 1/12, the second 0.5 -> 0 over the next 1/12, then the next token
-    alone. Always three: a zero weight keeps the compiled graphs' shapes."""
-    twelfths = 12 * min(max(progress_frac, 0.0), 1.0)
-    return [1.0, 0.5 * min(max(2.0 - twelfths, 0.0), 1.0), 0.25 * max(1.0 - twelfths, 0.0)]
 
 
 def batch_lr_scale(step_tokens, hp, kind, muon=False):

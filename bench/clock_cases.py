@@ -17,7 +17,7 @@ import clock as C  # noqa: E402
 from plan import make_plan  # noqa: E402
 
 EVENT = dict(kind="cuda", world_size=32, budget_s=600.0, max_steps=5000, seq_len=1024, vocab_size=32000)
-EVENT.update(batch_size=8, micro_batch=None, batch_tokens=None, ramp_frac=0.0, matmul_rate=2250e12, efficiency=0.4)
+EVENT.update(batch_size=8, micro_batch=None, batch_tokens=None, matmul_rate=2250e12, efficiency=0.4)
 EVENT.update(memory_bytes=288 * 2**30, bf16=True)
 
 

@@ -19,7 +19,6 @@ the chunk loss math's two forms (headloss.chunk_loss in place, headloss.function
    highest live bytes after the final norm returns, minus those live at that moment.
 3. ms per chunk of each form of the loss math, eager and compiled, and today's compiled CUDA path before this form
    (the in-place form compiled, the float32 upcast and the downcast of g around it, eager), capped and uncapped,
-   with one target a row and with --mtp's three (what multi-token prediction costs the loss math),
    at the chunk the device's training takes at a 32,000 vocabulary (CUDA: the event's 3,328 rows in bf16, capped
    only; CPU: 512 rows, float32 as CPU training runs and bf16): medians of --rounds, all alternating round by round.
 4. Their agreement with the in-place form eagerly: the largest row-loss difference and the largest gradient
@@ -192,43 +191,38 @@ def chunk_forms():
     }
 
 
-MTP_MIX = torch.tensor([1.0, 0.5, 0.25]) / 1.75  # --mtp's first weights, as HeadLoss hands them to a chunk
-
-
-def chunk_inputs(rows, vocab, dtype, device, k=1):
-    """A chunk as HeadLoss hands it over: y with logits' spread (capped: past the cap), targets (rows, k) and their
-    mix (k = 3: multi-token prediction's first weights)."""
+def chunk_inputs(rows, vocab, dtype, device):
+    """A chunk as HeadLoss hands it over: y with logits' spread (capped: past the cap), targets (rows, 1), every one
+    counted (mix 1)."""
     gen = torch.Generator().manual_seed(0)
     y = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
-    mix = torch.ones(rows, 1) if k == 1 else MTP_MIX.expand(rows, k)
-    return y, torch.randint(0, vocab, (rows, k), generator=gen).to(device), mix.contiguous().to(device)
+    return y, torch.randint(0, vocab, (rows, 1), generator=gen).to(device), torch.ones(rows, 1, device=device)
 
 
 def time_forms(forms, inputs, cap, rounds):
-    """{(form, k): median ms of one call} and {(form, k): (row-loss difference, gradient difference / largest
-    gradient)} against the in-place form eagerly, for inputs {k: (y, targets, mix)}; every (form, k) once a round, so
-    neighbours in time compare. Each call gets a fresh copy of y (the in-place form writes into it)."""
-    sync = torch.cuda.synchronize if inputs[1][0].is_cuda else lambda: None
+    """{form: median ms of one call} and {form: (row-loss difference, gradient difference / largest gradient)}
+    against the in-place form eagerly, for inputs (y, targets, mix); every form once a round, so neighbours in time
+    compare. Each call gets a fresh copy of y (the in-place form writes into it)."""
+    y, targets, mix = inputs
+    sync = torch.cuda.synchronize if y.is_cuda else lambda: None
     times, agreement = {}, {}
-    for k, (y, targets, mix) in inputs.items():  # warm-up and compilation
-        reference = chunk_loss(y.clone(), targets, mix, cap, True)
-        for name, fn in forms.items():
-            row_loss, _, g = fn(y.clone(), targets, mix, cap, True)
-            agreement[name, k] = (
-                (row_loss - reference[0]).abs().max().item(),
-                ((g.float() - reference[2].float()).abs().max() / reference[2].float().abs().max()).item(),
-            )
-            times[name, k] = []
+    reference = chunk_loss(y.clone(), targets, mix, cap, True)  # then warm-up and compilation
+    for name, fn in forms.items():
+        row_loss, _, g = fn(y.clone(), targets, mix, cap, True)
+        agreement[name] = (
+            (row_loss - reference[0]).abs().max().item(),
+            ((g.float() - reference[2].float()).abs().max() / reference[2].float().abs().max()).item(),
+        )
+        times[name] = []
     for _ in range(rounds):
-        for name, k in times:
-            y, targets, mix = inputs[k]
+        for name in times:
             y_copy = y.clone()
             sync()
             start = time.perf_counter()
             forms[name](y_copy, targets, mix, cap, True)
             sync()
-            times[name, k].append(1000 * (time.perf_counter() - start))
-    return {key: statistics.median(t) for key, t in times.items()}, agreement
+            times[name].append(1000 * (time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}, agreement
 
 
 def print_forms(device, rounds):
@@ -239,18 +233,15 @@ def print_forms(device, rounds):
     caps = (15.0,) if device.type == "cuda" else (15.0, 0.0)
     forms = chunk_forms()
     print(f"\nms per chunk of {rows} x {vocab} on {device}, median of {rounds} rounds; agreement with in-place eager")
-    print(f"{'dtype':<9} {'cap':>4} {'targets':>7} {'form':<33} {'ms':>8} {'loss diff':>10} {'g diff':>8}")
+    print(f"{'dtype':<9} {'cap':>4} {'form':<33} {'ms':>8} {'loss diff':>10} {'g diff':>8}")
     for dtype in dtypes:
         for cap in caps:
-            inputs = {k: chunk_inputs(rows, vocab, dtype, device, k) for k in (1, 3)}  # --mtp: three a row
-            ms, agreement = time_forms(forms, inputs, cap, rounds)
-            for (name, k), (loss_diff, g_diff) in agreement.items():
-                row = f"{str(dtype)[6:]:<9} {cap:4.0f} {k:7d} {name:<33} {ms[name, k]:8.2f}"
+            ms, agreement = time_forms(forms, chunk_inputs(rows, vocab, dtype, device), cap, rounds)
+            for name, (loss_diff, g_diff) in agreement.items():
+                row = f"{str(dtype)[6:]:<9} {cap:4.0f} {name:<33} {ms[name]:8.2f}"
                 print(f"{row} {loss_diff:10.1e} {g_diff:8.1e}")
-            ratio = ms["functional compiled", 1] / ms["in-place compiled, casts outside", 1]
-            print(f"{'':<22} functional compiled / in-place compiled, casts outside: {ratio:.2f}x")
-            ratios = ", ".join(f"{name} {ms[name, 3] / ms[name, 1]:.2f}x" for name in forms)
-            print(f"{'':<22} 3 targets / 1: {ratios}")
+            ratio = ms["functional compiled"] / ms["in-place compiled, casts outside"]
+            print(f"{'':<14} functional compiled / in-place compiled, casts outside: {ratio:.2f}x")
 
 
 def compiled_code(fn, y, targets, mix, cap, cpu_heuristics):
@@ -268,24 +259,23 @@ def compiled_code(fn, y, targets, mix, cap, cpu_heuristics):
 
 def print_codegen(code_dir):
     rows, vocab = 256, SHAPE["vocab_size"]
-    forms = {  # (form, the dtype it is handed, targets a row) as the CUDA path calls it, before and after
-        "in-place (before: float32 in)": (chunk_loss, torch.float32, 1),
-        "functional (after: bf16 in)": (functional_chunk_loss, torch.bfloat16, 1),
-        "functional, --mtp's 3 targets": (functional_chunk_loss, torch.bfloat16, 3),
+    forms = {  # (form, the dtype it is handed) as the CUDA path calls it, before and after
+        "in-place (before: float32 in)": (chunk_loss, torch.float32),
+        "functional (after: bf16 in)": (functional_chunk_loss, torch.bfloat16),
     }
     print(f"\ninductor's code for a {rows} x {vocab} chunk: (rows, V) buffers allocated and loops over the chunk")
     print(f"{'form':<30} {'cap':>4} {'heuristics':<11} {'(rows, V) buffers':<28} {'loops':>5}")
     full = re.compile(rf"empty_strided_cpu\(\({rows}, {vocab}\), \({vocab}, 1\), torch\.(\w+)\)")
     loop = re.compile(rf"for\(.*<static_cast<int64_t>\(({vocab}|{rows * vocab})L\)")
-    for name, (fn, dtype, k) in forms.items():
+    for name, (fn, dtype) in forms.items():
         for cap in (15.0, 0.0):
-            inputs = chunk_inputs(rows, vocab, dtype, torch.device("cpu"), k)
+            inputs = chunk_inputs(rows, vocab, dtype, torch.device("cpu"))
             for heuristics in ("cpu", "cuda's"):
                 code = compiled_code(fn, *inputs, cap, heuristics == "cpu")
                 buffers = ", ".join(full.findall(code)) or "none"
                 print(f"{name:<30} {cap:4.0f} {heuristics:<11} {buffers:<28} {len(loop.findall(code)):5d}")
                 if code_dir:
-                    slug = f"{name.split()[0]}{k}_cap{cap:.0f}_{heuristics[:3]}".replace("-", "_").replace(",", "")
+                    slug = f"{name.split()[0]}_cap{cap:.0f}_{heuristics[:3]}".replace("-", "_").replace(",", "")
                     pathlib.Path(code_dir, f"{slug}.py").write_text(code)
 
 

@@ -3,7 +3,7 @@
     python bench/lr_sweep.py --sweep record              # today's default vs each of the record's settings, 3 seeds
     python bench/lr_sweep.py --sweep batch               # sqrt LR rule: all groups / Adam only / none, 4x batch
     python bench/lr_sweep.py --sweep width --seeds 1     # Muon LR x0.25-x2, embedding LR x0.5 / x2, widths 64-384
-    python bench/lr_sweep.py --sweep near_free           # issue 45: MTP, NorMuon, the tail EMA, each and together
+    python bench/lr_sweep.py --sweep near_free           # NorMuon and the tail EMA, each and together
     python bench/lr_sweep.py --sweep record --lanes 2 --steps 100 --out runs/lr_sweep
 
 Every run is one train.py on the bench corpus (../shared/bench/setup.sh builds it) with --progress_by steps and a
@@ -37,12 +37,11 @@ RECORD = {  # modded-nanogpt's medium track (16 x 1024, the event's shape), each
     "floor_0.15": "--min_lr_frac 0.15",
     "polar_express": "--ns_coeffs polar_express",
 }
-NEAR_FREE = {  # the record's loss and optimizer items of issue 45, each against the default with them off
-    "default": "--mtp false --normuon_beta2 0 --tail_ema 0",
-    "mtp": "--mtp --normuon_beta2 0 --tail_ema 0",
-    "normuon": "--mtp false --normuon_beta2 0.95 --tail_ema 0",
-    "tail_ema": "--mtp false --normuon_beta2 0 --tail_ema 0.6",
-    "all_three": "--mtp --normuon_beta2 0.95 --tail_ema 0.6",
+NEAR_FREE = {  # the record's near-free optimizer items, each against the default with them off
+    "default": "--normuon_beta2 0 --tail_ema 0",
+    "normuon": "--normuon_beta2 0.95 --tail_ema 0",
+    "tail_ema": "--normuon_beta2 0 --tail_ema 0.6",
+    "both": "--normuon_beta2 0.95 --tail_ema 0.6",
 }
 
 

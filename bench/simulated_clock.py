@@ -14,6 +14,7 @@ BENCHMARKS.md, "The quick start's spike, found": what it showed.
 import argparse
 import pathlib
 import random
+import signal
 import sys
 import time
 
@@ -30,28 +31,29 @@ def simulate(args):
     rng, now = random.Random(args.seed), [1000.0]
     time.perf_counter = lambda: now[0]  # the loop's clock; wall time (time.time) is left alone
     launch.agreed_matmul_rate = lambda device, world: args.tflops * 1e12  # the plan's forecast, fixed too
-    real_step, real_batch = train.optimizer_step, train.next_batch
+    real_step, real_batch = train.Trainer.train_step, train.Trainer.next_batch
     kept = {"batches": {}, "weights": {}}
 
-    def next_batch(run):
-        batch = real_batch(run)
+    def next_batch(trainer):
+        batch = real_batch(trainer)
         kept["batches"][len(kept["batches"])] = batch[0]
         return batch
 
-    def optimizer_step(run, clock, state, guard, amp):
-        loss = real_step(run, clock, state, guard, amp)
+    def train_step(trainer):
+        stepped = real_step(trainer)
         jitter = rng.uniform(0.9, 1.1)
         stall = rng.uniform(3.0, 5.0) if rng.random() < args.stall_share else 0.0
-        now[0] += args.step_s * jitter + stall + (args.first_extra_s if state.step == 1 else 0.0)
-        if args.blame is not None and state.step - 1 in (args.blame, args.blame + 1):
-            kept["weights"][state.step - 1] = {k: v.clone() for k, v in run.raw_model.state_dict().items()}
-        if args.blame is not None and state.step == args.blame + 3:  # step blame + 2's batch taken
-            blame(run.raw_model, kept, args.blame)
-        if state.step == args.stop_at:
-            run.stop_signal.append(15)  # as SIGTERM: save, validate, summary
-        return loss
+        now[0] += args.step_s * jitter + stall + (args.first_extra_s if trainer.step == 1 else 0.0)
+        model = trainer.run.raw_model
+        if args.blame is not None and trainer.step - 1 in (args.blame, args.blame + 1):
+            kept["weights"][trainer.step - 1] = {k: v.clone() for k, v in model.state_dict().items()}
+        if args.blame is not None and trainer.step == args.blame + 3:  # step blame + 2's batch taken
+            blame(model, kept, args.blame)
+        if trainer.step == args.stop_at:
+            signal.raise_signal(signal.SIGTERM)  # save, validate, summary
+        return stepped
 
-    train.optimizer_step, train.next_batch = optimizer_step, next_batch
+    train.Trainer.train_step, train.Trainer.next_batch = train_step, next_batch
 
 
 @torch.no_grad()

@@ -69,8 +69,6 @@ STEP_CAP = {
         "cap_none": "--micro_batch 8 --val_every_min 0.5",
         "cap_forced": CAP,
         "cap_forced_sqrt_lr": f"{CAP} --lr_rule sqrt",
-        "cap_ramp": f"{CAP} --ramp_frac 0.2",
-        "cap_ramp_sqrt_lr": f"{CAP} --ramp_frac 0.2 --lr_rule sqrt",
     }.items()
 }
 

@@ -2,7 +2,7 @@
 
     # two streams side by side, one core each (BENCHMARKS.md has the exact lanes used)
     taskset -c 0 python bench/speedrun.py --budget_min 5 --variants cap_none_seed0,cap_forced_seed0,... --out A
-    taskset -c 1 python bench/speedrun.py --budget_min 5 --variants cap_ramp_seed0,... --out B
+    taskset -c 1 python bench/speedrun.py --budget_min 5 --variants cap_forced_sqrt_lr_seed0,... --out B
     python bench/step_cap.py A B --out step_cap.png
 
 Per variant: the mean and spread (max - min) over seeds of the final score (eval.py on the checkpoint), steps, tokens
@@ -19,8 +19,6 @@ VARIANTS = {  # speedrun.py's names, in the table's order
     "cap_none": "(a) no binding cap: the recipe's batch",
     "cap_forced": "(b) the cap's forced batch, constant",
     "cap_forced_sqrt_lr": "(c) forced batch, LRs x sqrt(batch ratio)",
-    "cap_ramp": "(d) ramp from the recipe's batch over 20%",
-    "cap_ramp_sqrt_lr": "(e) ramp with the sqrt LR rule",
 }
 
 

@@ -33,7 +33,6 @@ EVENT_SPEC = {
     "batch_size": 8,
     "micro_batch": None,
     "batch_tokens": None,
-    "ramp_frac": 0.0,
     "matmul_rate": 2250e12,
     "efficiency": 0.4,
     "memory_bytes": 288 * 2**30,

@@ -157,8 +157,8 @@ def dying(*args, **kwargs):
 
 phase = os.environ["PHASE"]
 if phase == "finish":  # after every rank saved and validated, right before the final barrier
-    finish = train.finish
-    train.finish = lambda *args: finish(*args) and dying()
+    finish = train.Trainer.finish
+    train.Trainer.finish = lambda trainer: finish(trainer) and dying()
 else:  # in place of that collective: rank 0 waits in it for a peer that is gone
     setattr(launch, phase, dying)
 train.main()
@@ -251,7 +251,7 @@ def test_a_rank_that_dies_after_the_run_finished_leaves_it_finished(tmp_path, to
 
 
 class RowLog:
-    """The metrics rows host_sync writes, kept (report.Logger's calls)."""
+    """The metrics rows Trainer.host_sync writes, kept (report.Logger's calls)."""
 
     def __init__(self):
         self.rows = []
@@ -267,7 +267,7 @@ class RowLog:
 
 
 def test_each_metrics_row_is_the_mean_of_its_steps_through_replans_rollbacks_and_uneven_syncs():
-    """train.host_sync and the loop's calls, on a fake clock whose device is 20x the forecast and a step cap that
+    """Trainer.host_sync and the loop's calls, on a fake clock whose device is 20x the forecast and a step cap that
     binds (so the accumulation is replanned at syncs), with syncs of 1 to many steps and three non-finite steps
     (rollbacks): every row is the mean of the losses of exactly the steps since the row before."""
     import rollback
@@ -278,24 +278,26 @@ def test_each_metrics_row_is_the_mean_of_its_steps_through_replans_rollbacks_and
     model = get_model({**SHAPE, "n_layer": 1})
     guard = rollback.Guard(model, [], torch.device("cpu"), lambda message: None)
     ema = TailEMA(model, 0.0, 0.12)  # off, as by default
-    hp = types.SimpleNamespace(seq_len=16, save_every_min=0.0, lr_rule="none")
+    hp = types.SimpleNamespace(seq_len=16, save_every_min=0.0, lr_rule="none", autocast="none", profile=False)
+    stop_signals = types.SimpleNamespace(received=False)
     run = types.SimpleNamespace(
-        rank=0, world=1, device=torch.device("cpu"), data_gone=None, stop_signal=[], hp=hp, val=[], say=print
+        rank=0, world=1, device=torch.device("cpu"), stop_signals=stop_signals, hp=hp, val=[], say=print
     )
-    run.plan, run.raw_model = types.SimpleNamespace(micro_batch=2), model
+    run.plan, run.raw_model, run.attention = types.SimpleNamespace(micro_batch=2), model, None
     clock = Clock(60.0, 400, 1, 0.35, may_replan=True, planned_step_s=1.0)
-    log, state, loss_sum, elapsed, losses, syncs = RowLog(), train.LoopState(), torch.zeros(2), 0.0, [], []
+    log, elapsed, losses, syncs = RowLog(), 0.0, [], []
+    trainer = train.Trainer(run, clock=clock, log=log, guard=guard, ema=ema)
     while True:
-        if clock.due(state.step):
-            syncs.append(state.step)
-            if train.host_sync(run, clock, log, state, guard, ema, loss_sum, elapsed, None):
+        if clock.due(trainer.step):
+            syncs.append(trainer.step)
+            if trainer.host_sync(elapsed):
                 break
-        _, accum = clock.begin_step(state.step)
-        loss = float("nan") if state.step in (40, 90, 150) else 3.0 + (state.step * 7919 % 13) / 10
+        _, accum = clock.begin_step(trainer.step)
+        loss = float("nan") if trainer.step in (40, 90, 150) else 3.0 + (trainer.step * 7919 % 13) / 10
         losses.append(loss)
-        loss_sum += torch.tensor([loss, 1.0])  # accumulate's (loss, count)
-        elapsed += 0.05 * accum * (1 + (state.step % 5 == 0))  # uneven steps: syncs of one step and of many
-        state.step += 1
+        trainer.loss_sum += torch.tensor([loss, 1.0])  # accumulate's (loss, count)
+        elapsed += 0.05 * accum * (1 + (trainer.step % 5 == 0))  # uneven steps: syncs of one step and of many
+        trainer.step += 1
     assert sum("replan" in note for note in clock.notes) >= 2  # the cap made the clock replan (up, then down)
     assert len(guard.rollbacks) == 3 and len(log.rows) > 20
     assert len({b - a for a, b in zip(syncs, syncs[1:])}) >= 3  # syncs of one step and of several
@@ -331,11 +333,13 @@ def test_a_stand_in_batch_counts_in_neither_the_step_loss_nor_the_row(monkeypatc
     real = model(x, x.roll(-1, 1), loss_fn=head_loss)[1].item()
     monkeypatch.setattr(model, "no_sync", contextlib.nullcontext, raising=False)  # DDP's, as world 2 calls it
     run = types.SimpleNamespace(
-        model=model, world=2, rank=1, data_gone=None, loader=GoneAfterOne((x, x.roll(-1, 1))), device=x.device
+        model=model, world=2, rank=1, loader=GoneAfterOne((x, x.roll(-1, 1))), device=x.device, loss_fn=head_loss
     )
-    run.plan, run.hp = types.SimpleNamespace(micro_batch=2), types.SimpleNamespace(seq_len=16)
-    loss, counted = train.accumulate(run, 2, contextlib.nullcontext(), head_loss).tolist()
-    assert run.data_gone and counted == 0.5  # the second micro-batch was the stand-in
+    run.plan, run.attention = types.SimpleNamespace(micro_batch=2), None
+    run.hp = types.SimpleNamespace(seq_len=16, autocast="none", profile=False)
+    trainer = train.Trainer(run, clock=object(), log=object(), guard=object(), ema=object())
+    loss, counted = trainer.accumulate(2).tolist()
+    assert trainer.data_gone and counted == 0.5  # the second micro-batch was the stand-in
     assert abs(loss / counted - real) < 1e-5, (loss / counted, real)
 
 

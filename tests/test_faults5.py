@@ -252,11 +252,11 @@ STEPS = 6
 ON_TAIL = [*TINY, *TAIL, "--max_steps", str(STEPS), "--save_every_min", "0", "--time_limit_min", "10"]
 AT_THE_END = (  # the host sync after the last step rolls back (a spike, forced), then the run stops on max_steps
     "import rollback\n"
-    "real_sync, real_diverged = train.host_sync, rollback.Guard.diverged\n"
-    "def host_sync(run, clock, log, state, *rest):\n"
-    "    rollback.AT_END = state.step >= run.hp.max_steps\n"
-    "    return real_sync(run, clock, log, state, *rest)\n"
-    "train.host_sync = host_sync\n"
+    "real_sync, real_diverged = train.Trainer.host_sync, rollback.Guard.diverged\n"
+    "def host_sync(trainer, elapsed):\n"
+    "    rollback.AT_END = trainer.step >= trainer.hp.max_steps\n"
+    "    return real_sync(trainer, elapsed)\n"
+    "train.Trainer.host_sync = host_sync\n"
     "rollback.Guard.diverged = lambda self, loss: 'a forced spike' if rollback.AT_END else real_diverged(self, loss)\n"
 )
 
@@ -284,13 +284,13 @@ def test_weights_not_finite_at_the_end_are_restored_and_labelled_plain(tmp_path)
     """The token embedding (outside the tail EMA) turns non-finite at the last step: the weights go back to the
     trusted snapshot, whatever the blend made of them before."""
     poison = (
-        "real_step = train.optimizer_step\n"
-        "def optimizer_step(run, clock, state, guard, amp):\n"
-        "    loss = real_step(run, clock, state, guard, amp)\n"
-        "    if state.step == run.hp.max_steps:\n"
-        "        run.raw_model.wte.weight.data[0, 0] = float('nan')\n"
-        "    return loss\n"
-        "train.optimizer_step = optimizer_step\n"
+        "real_step = train.Trainer.train_step\n"
+        "def train_step(trainer):\n"
+        "    stepped = real_step(trainer)\n"
+        "    if trainer.step == trainer.hp.max_steps:\n"
+        "        trainer.run.raw_model.wte.weight.data[0, 0] = float('nan')\n"
+        "    return stepped\n"
+        "train.Trainer.train_step = train_step\n"
     )
     proc, _ = patched_train(tmp_path, poison, ON_TAIL)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -422,7 +422,7 @@ def recording(function):
         seen.append(torch.backends.cuda.flash_sdp_enabled())
         return function(*args, **kwargs)
     return call
-train.accumulate, train.evaluate = recording(train.accumulate), recording(train.evaluate)
+train.Trainer.accumulate, train.evaluate = recording(train.Trainer.accumulate), recording(train.evaluate)
 train.main(sys.argv[1:])
 print(json.dumps({{"during": seen, "after": torch.backends.cuda.flash_sdp_enabled()}}))
 """
@@ -479,12 +479,12 @@ class Flash(TorchDispatchMode):  # records what the CPU flash kernel gets; fails
 
 before_the_clock = Flash()
 before_the_clock.__enter__()
-train_loop = train.train
-def after_the_checks(run):
+train_loop = train.Trainer.train
+def after_the_checks(trainer):
     before_the_clock.__exit__(None, None, None)
-    print(json.dumps({{"seen": Flash.seen, "micro_batch": run.plan.micro_batch}}), flush=True)
-    return train_loop(run)
-train.train = after_the_checks
+    print(json.dumps({{"seen": Flash.seen, "micro_batch": trainer.run.plan.micro_batch}}), flush=True)
+    return train_loop(trainer)
+train.Trainer.train = after_the_checks
 train.main(sys.argv[1:])
 """
 
@@ -555,15 +555,15 @@ def as_on_a_b300(forced, call, capability, cudnn):  # cuDNN first; on CPU its ch
     return choose(forced, call, (10, 3), 91501)
 launch.choose_attention = as_on_a_b300
 
-loop, kernel = train.train, []
-def flash_fails_from_step_0_on_rank_1(run):  # after the checks: as a kernel whose failure they could not see
+loop, kernel = train.Trainer.train, []
+def flash_fails_from_step_0_on_rank_1(trainer):  # after the checks: as a kernel whose failure they could not see
     if os.environ["RANK"] == "1":
         kernel.append(torch.library.Library("aten", "IMPL"))
         def fails(*args, **kwargs):
             raise RuntimeError("flash attention kernel failed: no kernel image is available for this layout")
         kernel[0].impl("_scaled_dot_product_flash_attention_for_cpu", fails, "CPU")
-    return loop(run)
-train.train = flash_fails_from_step_0_on_rank_1
+    return loop(trainer)
+train.Trainer.train = flash_fails_from_step_0_on_rank_1
 train.main(sys.argv[1:])
 """
 

@@ -71,7 +71,7 @@ def test_a_writer_stuck_at_the_end_is_said_and_left_behind_after_the_bound(monke
     start = time.perf_counter()
     close_metrics(run)
     assert 0.4 < time.perf_counter() - start < 5.0
-    assert run.metrics is None and len(said) == 1 and "took no rows for 0 s" in said[0] and "dropped" in said[0]
+    assert run.metrics.closed and len(said) == 1 and "took no rows for 0 s" in said[0] and "dropped" in said[0]
     assert not handle.closed  # never closed under a write in flight
     handle.gate.set()
 
@@ -111,18 +111,17 @@ def test_a_profiled_window_counts_its_overhead_and_the_export_as_paused(tmp_path
     hp = SimpleNamespace(metrics_path=str(tmp_path / "metrics.jsonl"))
     run = SimpleNamespace(hp=hp, device=torch.device("cpu"), say=said.append)
     profile = report.StepProfile(run, SimpleNamespace(step_s=0.01))
-    state = SimpleNamespace(step=0, paused=0.0)
+    paused = 0.0
     for step in range(8):
         profile.begin(step)
         if report.PROFILE_FROM <= step:
             time.sleep(0.05)  # a profiled step 0.04 s slower than the forecast
         torch.ones(8) @ torch.ones(8)
-        state.step += 1
-        profile.end(state)
+        paused += profile.end(step + 1)
         if step < report.PROFILE_FROM:
-            assert state.paused == 0.0 and profile.profiler is None
-    profile.close(state)  # after the window closed itself: nothing more
-    assert state.paused >= 3 * 0.04 and len(said) == 1
+            assert paused == 0.0 and profile.profiler is None
+    assert profile.close(8) == 0.0  # after the window closed itself: nothing more
+    assert paused >= 3 * 0.04 and len(said) == 1
     assert said[0].startswith(
         f"profile: steps 3-5 in {tmp_path / 'metrics.trace.json'} (open it in https://ui.perfetto"
     )

@@ -159,18 +159,18 @@ import json, sys
 sys.path.insert(0, {str(TRAIN.parent)!r})
 import torch, train
 
-accumulate, finish, calls = train.accumulate, train.finish, [0]
-def spiking(run, *args, **kwargs):
-    loss = accumulate(run, *args, **kwargs)
+accumulate, finish, calls = train.Trainer.accumulate, train.Trainer.finish, [0]
+def spiking(trainer, *args, **kwargs):
+    loss = accumulate(trainer, *args, **kwargs)
     calls[0] += 1
     spike = torch.tensor([50.0, 0.0])  # accumulate's (loss, count): the loss alone
-    return loss + spike if run.rank == 1 and 20 <= calls[0] < 24 else loss  # rank 1 alone, four steps
-def recording(run, log, clock, amp, state, guard, *rest):
-    weights = sum(p.double().sum().item() for p in run.raw_model.parameters())
-    with open(f"rank{{run.rank}}.json", "w") as f:
-        json.dump({{"rollbacks": guard.rollbacks, "weights": weights}}, f)
-    return finish(run, log, clock, amp, state, guard, *rest)
-train.accumulate, train.finish = spiking, recording
+    return loss + spike if trainer.run.rank == 1 and 20 <= calls[0] < 24 else loss  # rank 1 alone, four steps
+def recording(trainer):
+    weights = sum(p.double().sum().item() for p in trainer.run.raw_model.parameters())
+    with open(f"rank{{trainer.run.rank}}.json", "w") as f:
+        json.dump({{"rollbacks": trainer.guard.rollbacks, "weights": weights}}, f)
+    return finish(trainer)
+train.Trainer.accumulate, train.Trainer.finish = spiking, recording
 train.main(sys.argv[1:])
 """
     args = [*on_tokens(token_dir), *TINY, *STEPS]

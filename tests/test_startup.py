@@ -50,7 +50,7 @@ def test_the_step0_save_runs_beside_the_clock_and_is_on_disk_however_the_run_end
 
     crashed = tmp_path / "crashed"  # the loop fails at once, with the step-0 write still under way
     crashed.mkdir()
-    crash = f"{SLOW_STEP0}; train.train = lambda run: 1 / 0"
+    crash = f"{SLOW_STEP0}; train.Trainer.train = lambda trainer: 1 / 0"
     proc, _ = patched_train(crashed, crash, args)
     assert proc.returncode == 1 and "ZeroDivisionError" in proc.stderr
     model, ckpt = load_checkpoint(crashed / "checkpoint.pt")

@@ -205,16 +205,17 @@ def test_dry_run_prints_the_event_plan_without_a_gpu(tmp_path, capsys, monkeypat
     assert event["steps"] <= 5000 and event["train_s"] <= 600 and event["tokens"] >= 5e9
     assert event["micro_batch"] >= 8 and event["world_size"] == 32
     assert not list(tmp_path.iterdir())  # nothing written, no forward pass
-    assert event["start_accum"] == event["grad_accum_steps"] and "ramp:" not in stdout  # off by default
 
 
-def test_dry_run_prints_the_ramps_stages_when_it_is_on(tmp_path, capsys, monkeypatch):
-    stdout, event = dry_run([*EVENT_DRY_RUN, "--ramp_frac", "0.2"], tmp_path, capsys, monkeypatch)
-    unit = event["tokens_per_step"] // event["grad_accum_steps"]
-    assert unit * event["start_accum"] == plan.MIN_TOKENS_PER_STEP["cuda"] < event["tokens_per_step"]
-    assert 0 < event["ramp_steps"] < event["steps"] <= 0.9 * 5000
-    assert f"ramp: {unit * event['start_accum']:,} -> {event['tokens_per_step']:,} tokens/step" in stdout
-    assert f"(~{event['ramp_steps']:,} steps), then {event['steps'] - event['ramp_steps']:,} steps" in stdout
+def test_retired_flags_are_one_sentence_naming_what_replaced_them(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv, replaced in ((["--mtp"], "training scores the next token"), (["--ramp_frac=0.2"], "forced batch")):
+        with pytest.raises(SystemExit) as exit_info:
+            train.main([*EVENT_DRY_RUN, *argv])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and replaced in err, err
+        assert err.startswith(f"error: {argv[0].partition('=')[0]} was retired: ")
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -578,21 +579,11 @@ import sys
 sys.path.insert(0, {str(ROOT)!r})
 import train
 
-class OneRowShort:
-    def __init__(self, loader):
-        self.loader = loader
-    def __next__(self):
-        x, y = next(self.loader)
-        return x[:-1], y[:-1]
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-step = train.optimizer_step
-def short_from_step_3(run, clock, state, *args):
-    if state.step == 3 and not isinstance(run.loader, OneRowShort):
-        run.loader = OneRowShort(run.loader)
-    return step(run, clock, state, *args)
-train.optimizer_step = short_from_step_3
+batch = train.Trainer.next_batch
+def short_from_step_3(trainer):
+    (x, y), weight = batch(trainer)
+    return ((x[:-1], y[:-1]) if trainer.step >= 3 else (x, y)), weight
+train.Trainer.next_batch = short_from_step_3
 train.main(sys.argv[1:])
 """
     args = [*on_tokens(token_dir), *TINY, "--compile", "--max_steps", "6", *LONG_BUDGET, "--log_every_s", "0"]
@@ -737,10 +728,11 @@ def test_a_cold_compile_of_over_a_third_of_the_budget_still_runs_the_whole_sched
     args += ["--time_limit_min", "1", "--log_every_s", "0", "--save_every_min", "0"]
     env = {**child_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     held = (
-        f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import train; first = train.first_compiled_step\n"
+        f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import train\n"
+        "first = train.Trainer.first_compiled_step\n"
         "def long_first(*a):\n    t0 = time.perf_counter(); out = first(*a)\n"
         "    time.sleep(max(0.0, 24.0 - (time.perf_counter() - t0))); return out\n"
-        f"train.first_compiled_step = long_first; train.main({args!r})"
+        f"train.Trainer.first_compiled_step = long_first; train.main({args!r})"
     )
     proc = subprocess.run([sys.executable, "-c", held], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
