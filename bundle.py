@@ -22,6 +22,7 @@ import ast
 import os
 import pathlib
 import sys
+from typing import NoReturn
 
 # The pasted modules, each after the modules it imports (their definitions run at import), with what each is for: the
 # one line that opens its section of the bundled train.py. train.py's own code (the flags, the schedule, the loop)
@@ -66,12 +67,19 @@ class BundleError(ValueError):
     pass
 
 
-def fail(message):
+def fail(message) -> NoReturn:
     """Exit status 2 with one sentence on stderr; the SystemExit carries the sentence too, for callers of main."""
     print(f"error: {message}", file=sys.stderr)
     error = SystemExit(f"error: {message}")
     error.code = 2
     raise error
+
+
+class OneSentenceParser(argparse.ArgumentParser):
+    """argparse whose error (a flag it cannot read) is fail's one sentence; --help still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
 
 
 def is_docstring(node):
@@ -120,13 +128,13 @@ def contents(purpose):
 def import_block(imports):
     """Every pasted module's imports as one block, as a reader expects them: the standard library, then the
     requirements, then model.py; `import X` lines sorted, `from X import` lines merged by module."""
-    groups = [{}, {}, {}]  # line -> None, an ordered set per group
+    groups: list[dict[str, None]] = [{}, {}, {}]  # line -> None, an ordered set per group
 
     def group(module):
         root = module.split(".")[0]
         return 0 if root in sys.stdlib_module_names else 2 if root == SHIPPED else 1
 
-    merged = {}
+    merged: dict[str, set[str]] = {}  # module -> the names imported from it
     for node in imports:
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -146,15 +154,24 @@ def bundle_files(src_dir, pasted=PASTED):
     if missing := [path.name for path in [*files.values(), src_dir / "model.py"] if not path.is_file()]:
         raise BundleError(f"--src {src_dir} lacks {', '.join(missing)}; it must be the repo folder.")
     trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in files.items()}
-    imports, code, owner = [], {}, {}  # code: module -> its statements; owner: top-level name -> (module, node)
+    imports: list[ast.Import | ast.ImportFrom] = []  # those the bundle keeps: not of a pasted module
+    roots: set[str] = set()  # the top-level packages they load
+    code: dict[str, list[ast.stmt]] = {}  # module -> its statements
+    owner: dict[str, tuple[str, ast.stmt]] = {}  # top-level name -> (module, node)
     for name, tree in trees.items():
         for node in tree.body:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                roots = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else [node.module]
-                if isinstance(node, ast.Import) and set(roots) & set(pasted):
+            if isinstance(node, ast.Import):
+                loaded = {a.name.split(".")[0] for a in node.names}
+                if loaded & set(pasted):
                     raise BundleError(f"{name}.py:{node.lineno} imports a pasted module whole; use `from X import`.")
-                if not (isinstance(node, ast.ImportFrom) and node.module in pasted):
+                imports.append(node)
+                roots |= loaded
+            elif isinstance(node, ast.ImportFrom):
+                if node.module is None or node.level:  # the repo is no package, and the bundle is one file
+                    raise BundleError(f"{name}.py:{node.lineno} imports relatively; name the module: `from X import`.")
+                if node.module not in pasted:
                     imports.append(node)
+                    roots.add(node.module.split(".")[0])
             elif not (is_docstring(node) and node is tree.body[0]) and not (name != "train" and is_main_block(node)):
                 code.setdefault(name, []).append(node)
                 for bound in bound_names(node):
@@ -174,8 +191,6 @@ def bundle_files(src_dir, pasted=PASTED):
         if id(node) not in keep:
             keep.add(id(node))
             todo += [owner[n.id][1] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in owner]
-    roots = {a.name.split(".")[0] for n in imports if isinstance(n, ast.Import) for a in n.names}
-    roots |= {n.module.split(".")[0] for n in imports if isinstance(n, ast.ImportFrom)}
     if missing := sorted(roots - sys.stdlib_module_names - set(REQUIREMENTS) - {SHIPPED}):
         raise BundleError(f"{', '.join(missing)} would be needed at run time but is not in REQUIREMENTS.")
     header = ast.get_docstring(trees["train"], clean=False)
@@ -243,11 +258,10 @@ def write_replacing(path, text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneSentenceParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--check", action="store_true", help="compare OUT_DIR with a fresh bundle, write nothing")
     parser.add_argument("--src", default=pathlib.Path(__file__).resolve().parent, help="the repo folder")
-    parser.error = fail  # a flag argparse cannot read is one sentence too (--help shows the usage)
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out_dir)
     try:

@@ -69,7 +69,7 @@ def check_writable(path, flag):
 
 def missing_folders(folder):
     """The folders os.makedirs(folder) would create, outermost first."""
-    missing = []
+    missing: list[str] = []
     while folder and not os.path.lexists(folder):
         missing.insert(0, folder)
         folder = os.path.dirname(folder)
@@ -172,14 +172,13 @@ def _save_failure(state, path, error):
     except OSError:
         free = None
     oserror = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, OSError)), None)
-    code = oserror.errno if oserror else None
     beside = f" beside the {os.path.getsize(path) / 2**20:,.1f} MiB file it replaces" if os.path.isfile(path) else ""
     writes = f"the save writes {size / 2**20:,.1f} MiB{beside}"
-    if code == errno.EDQUOT:
+    if oserror is not None and oserror.errno == errno.EDQUOT:
         return f"the disk quota is exceeded: {writes}, more than it leaves"
     if free is not None and free < size:
         return f"the disk is full: {writes}, and {folder} has {free / 2**20:,.1f} MiB free"
-    if code == errno.ENOSPC:
+    if oserror is not None and oserror.errno == errno.ENOSPC:
         shown = "" if free is None else f", though {folder} shows {free / 2**20:,.1f} MiB free (no inodes left?)"
         return f"{oserror.strerror}: {writes}{shown}"
     if isinstance(error, OSError) and error.strerror:

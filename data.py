@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import pathlib
 import resource
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -115,10 +116,21 @@ def _file_chunks(path, layout, chunk_tokens=1 << 24):
             yield chunk
 
 
-def _id_stats(chunks, vocab_size, bos_id):
-    """Tokens seen, min and max id, bos_id count, and the ids >= vocab_size: how many, the first one and its position
-    (counted over the chunks in order)."""
-    stats = {"seen": 0, "min": None, "max": 0, "bos": 0, "bad": 0, "first_bad": None}
+class IdStats(TypedDict):
+    """Tokens seen, min (None before the first token) and max id, bos_id count, and the ids >= vocab_size: how many,
+    the first one and its position (counted over the chunks in order)."""
+
+    seen: int
+    min: int | None
+    max: int
+    bos: int
+    bad: int
+    first_bad: tuple[int, int] | None
+
+
+def _id_stats(chunks, vocab_size, bos_id) -> IdStats:
+    """The IdStats of the tokens of chunks."""
+    stats: IdStats = {"seen": 0, "min": None, "max": 0, "bos": 0, "bad": 0, "first_bad": None}
     for chunk in chunks:
         low, high = int(chunk.min()), int(chunk.max())
         stats["min"] = low if stats["min"] is None else min(stats["min"], low)
@@ -167,7 +179,7 @@ def check_token_files(
     for path, layout, ranges in zip(files, layouts, sample_slices(sizes, sample_tokens)):
         chunks = _file_chunks(path, layout) if full else [_sample_file(path, layout, ranges)]
         stats = _id_stats(chunks, vocab_size, bos_id)
-        if stats["bad"] and full:
+        if stats["first_bad"] is not None and full:
             top, at = stats["first_bad"]
             problems.append(
                 f"{path} holds {stats['bad']:,} token ids >= --vocab_size {vocab_size}, the first "

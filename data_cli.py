@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from typing import NoReturn
 
 import torch
 
@@ -130,7 +131,7 @@ def count(low=1, high=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="data_cli.py", description="Check, synthesise or benchmark token data.")
+    parser = OneSentenceParser(prog="data_cli.py", description="Check, synthesise or benchmark token data.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a folder of chunk_*.bin files and summarise it")
     check.add_argument("data_dir")
@@ -156,8 +157,6 @@ def main(argv=None):
         sub.add_argument("--seq_len", type=count(), default=1024)
         sub.add_argument("--token_dtype", choices=tuple(RAW_DTYPES), default="uint16", help="ids of headerless files")
         sub.add_argument("--bos_id", type=count(0), default=None, help="document marker; default: the format's")
-    for sub in (parser, check, synth, bench, prep):  # a flag argparse cannot read is one sentence (--help: the usage)
-        sub.error = _refuse
     args = parser.parse_args(argv)
     try:
         {"check": _cli_check, "synth": _cli_synth, "bench": _cli_bench, "prepare": _cli_prepare}[args.command](args)
@@ -188,9 +187,17 @@ def prepare_flags(prep):
     prep.add_argument("--workers", type=count(), default=os.cpu_count() or 1, help="tokenizing processes (%(default)s)")
 
 
-def _refuse(message):
+def _refuse(message) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+class OneSentenceParser(argparse.ArgumentParser):
+    """argparse whose error (a flag it cannot read) is _refuse's one sentence; --help still shows the usage. Its
+    subcommands' parsers are of its class too (add_subparsers' default)."""
+
+    def error(self, message: str) -> NoReturn:
+        _refuse(message)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import pathlib
 import re
 import sys
 import warnings
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -41,9 +42,10 @@ from model import get_model
 # The token-file formats: a deliberate copy of windows.py's (RAW_DTYPES, HEADER_BYTES, LLMC_HEADERS' versions and
 # dtypes), since eval.py runs beside model.py alone (the organizers' folder, the bundled submission) and imports
 # nothing else of ours.
-RAW_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+RAW_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 HEADER_BYTES = 256 * 4
-LLMC_HEADERS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}  # magic: (version, ids)
+# magic: (version, ids)
+LLMC_HEADERS: dict[int, tuple[int, np.dtype]] = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}
 # the token a tokenizer.json opens documents with, likeliest first: Llama-2/Mistral, Llama-3, Gemma, BERT-style, GPT-2
 BOS_PIECES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|endoftext|>")
 
@@ -78,12 +80,19 @@ def user_device(name):
     return device
 
 
-def fail(message):
+def fail(message) -> NoReturn:
     """Exit status 2 with one sentence on stderr; the SystemExit carries the sentence too, for callers of main."""
     print(f"error: {message}", file=sys.stderr)
     error = SystemExit(f"error: {message}")
     error.code = 2
     raise error
+
+
+class OneSentenceParser(argparse.ArgumentParser):
+    """argparse whose error (a flag it cannot read) is fail's one sentence; --help still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
 
 
 def load_checkpoint(path):
@@ -124,8 +133,16 @@ def load_checkpoint(path):
     return model, ckpt
 
 
+class TokenSpan(NamedTuple):
+    """Where a token file's ids lie: their dtype, the byte offset of the first, how many there are."""
+
+    dtype: np.dtype
+    offset: int
+    n_tokens: int
+
+
 def token_span(path, token_dtype):
-    """(dtype, byte offset of the first id, id count) of a token file: past an llm.c header, else raw token_dtype."""
+    """The TokenSpan of a token file: past an llm.c header, else raw token_dtype ids."""
     n_bytes = path.stat().st_size
     if n_bytes == 0:
         raise ValueError(f"--data {path} is empty (0 bytes).")
@@ -140,7 +157,7 @@ def token_span(path, token_dtype):
             raise ValueError(
                 f"--data {path} has {size} ({n_bytes} bytes), so it is not a file of {token_dtype} tokens."
             )
-        return dtype, 0, count
+        return TokenSpan(dtype, 0, count)
     version, dtype = LLMC_HEADERS[magic]
     header = np.frombuffer(head.ljust(HEADER_BYTES, b"\0"), dtype="<i4")
     count = int(header[2])
@@ -149,7 +166,7 @@ def token_span(path, token_dtype):
             f"--data {path} opens with llm.c's magic {magic}, but its header (version {header[1]}, {count:,} tokens) "
             f"does not match its {n_bytes:,} bytes: it is truncated or damaged."
         )
-    return dtype, HEADER_BYTES, count
+    return TokenSpan(dtype, HEADER_BYTES, count)
 
 
 def read_tokens(path, max_tokens, tail=False, token_dtype="uint16"):
@@ -384,7 +401,7 @@ def evaluate(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneSentenceParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint.pt written by train.py")
     parser.add_argument("--data", required=True, help="a token file, or a folder (see above)")
     parser.add_argument(
@@ -396,7 +413,6 @@ def main(argv=None):
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...; default: cuda if present")
     parser.add_argument("--hellaswag", default=None, help="a HellaSwag .jsonl file")
     parser.add_argument("--tokenizer", default=None, help="the training data's SentencePiece .model or tokenizer.json")
-    parser.error = fail  # a flag argparse cannot read is one sentence too (--help shows the usage)
     args = parser.parse_args(argv)
     try:
         return evaluate(args)

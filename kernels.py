@@ -188,8 +188,9 @@ class AttentionChecks:
 def attention_problem(backend, inputs, reference, compiled):
     """None when `backend` gives `reference`'s output and input gradients on `inputs` within ATTENTION_TOLERANCE,
     else why not, in a few words."""
+    q, k, v, grad = inputs
     try:
-        got = sdpa_with_grads(backend, *inputs, compiled=compiled)
+        got = sdpa_with_grads(backend, q, k, v, grad, compiled=compiled)
     except Exception as e:  # no kernel for this device, dtype, shape or layout, or a compile that fails
         return f"it does not run here: {error_sentence(e)}"
     error = max(((g.float() - r).norm() / r.norm()).item() for g, r in zip(got, reference))
@@ -219,7 +220,7 @@ def fused_choice(choice, call):
         try:
             return torch._fused_sdp_choice(q, q, q, is_causal=True)
         except RuntimeError:  # no backend allowed can run it ("No viable backend")
-            return int(SDPBackend.ERROR)
+            return SDPBackend.ERROR.value
 
 
 def backend_name(index):
@@ -259,7 +260,7 @@ def error_sentence(error):
 
 def error_chain(error):
     """The error and the ones it wraps (inner_exception, __cause__, __context__), outermost first."""
-    chain = []
+    chain: list[BaseException] = []
     while error is not None and all(error is not seen for seen in chain):
         chain.append(error)
         error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
@@ -378,7 +379,7 @@ def ptxas_candidates(env, cuda_glob="/usr/local/cuda*"):
     paths = [os.path.join(env["CUDA_HOME"], "bin", "ptxas")] if env.get("CUDA_HOME") else []
     paths += sorted(glob.glob(os.path.join(cuda_glob, "bin", "ptxas")), reverse=True)
     paths += [os.path.join(folder, "ptxas") for folder in env.get("PATH", "").split(os.pathsep) if folder]
-    unique = {}
+    unique: dict[str, str] = {}  # real path -> the first path found to it
     for path in paths:
         if os.path.isfile(path):
             unique.setdefault(os.path.realpath(path), path)

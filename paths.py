@@ -62,7 +62,8 @@ def file_identity(path):
 def place(path):
     """Where path's file is or will be, by identity: its nearest existing folder's (device, inode) and the names from
     there on. Two paths to one place (a folder reached through a symlink or a bind mount) have the same."""
-    folder, rest = os.path.abspath(path), []
+    folder = os.path.abspath(path)
+    rest: list[str] = []
     while (key := file_identity(folder)) is None and folder != os.path.dirname(folder):
         folder, name = os.path.split(folder)
         rest.insert(0, name)
@@ -83,7 +84,7 @@ def training_twin(val_file, data_dir, head_bytes=1 << 20):
     return None
 
 
-OUTPUT_LOCKS = []  # this process's output locks (OutputLock), open for its whole life: closing one releases it
+OUTPUT_LOCKS: list["OutputLock"] = []  # this process's output locks, open for its whole life: closing one releases it
 LOCK_TRIES = 5  # a lock file replaced while it was being locked (another run making its own) is opened again
 
 
@@ -125,7 +126,7 @@ class PendingFile:
             PENDING_FILES.remove(self)
 
 
-PENDING_FILES = []  # the PendingFiles not put in place yet: a refusal discards them
+PENDING_FILES: list[PendingFile] = []  # the PendingFiles not put in place yet: a refusal discards them
 
 
 def lock_outputs(hp, say):
@@ -160,7 +161,7 @@ def lock_outputs(hp, say):
     return metrics
 
 
-OUTPUT_FOLDERS = []  # the folders lock_outputs made for the outputs, outermost first
+OUTPUT_FOLDERS: list[str] = []  # the folders lock_outputs made for the outputs, outermost first
 
 
 def release_outputs(locks=None, folders=None):

@@ -17,8 +17,10 @@ import json
 import math
 import pathlib
 import sys
+from typing import NoReturn
 
-TRAIN_KEYS = ("step", "elapsed_s", "lr_frac", "train_loss", "tokens", "tokens_per_s")  # train.py's training row
+# train.py's training row
+TRAIN_KEYS: tuple[str, ...] = ("step", "elapsed_s", "lr_frac", "train_loss", "tokens", "tokens_per_s")
 VAL_KEYS = ("step", "val_loss")  # a validation row; its elapsed_s and tokens, when there, are drawn too
 
 
@@ -26,12 +28,19 @@ def finite_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def fail(message):
+def fail(message) -> NoReturn:
     """Exit status 2 with one sentence on stderr; the SystemExit carries the sentence too, for callers of main."""
     print(f"error: {message}", file=sys.stderr)
     error = SystemExit(f"error: {message}")
     error.code = 2
     raise error
+
+
+class OneSentenceParser(argparse.ArgumentParser):
+    """argparse whose error (a flag it cannot read) is fail's one sentence; --help still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
 
 
 def metrics_file(path):
@@ -224,10 +233,9 @@ def plot_runs(paths, out):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneSentenceParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl) or metrics .jsonl files")
     parser.add_argument("--out", default="curves.png", help="the PNG to write")
-    parser.error = fail  # a flag argparse cannot read is one sentence too (--help shows the usage)
     args = parser.parse_args(argv)
     try:
         plot_runs(args.runs, args.out)

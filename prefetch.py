@@ -42,7 +42,7 @@ class Prefetcher:
         with torch.cuda.device(self.device) if self._pin else nullcontext():  # one cudaHostAlloc, not one per batch
             self._ring = torch.empty(slots, 2, batch_size, seq_len, dtype=torch.int64, pin_memory=self._pin)
         self._copied = [torch.cuda.Event() for _ in range(slots)] if self._pin else None
-        self._queue = queue.Queue(maxsize=self.depth)
+        self._queue: queue.Queue[tuple[int, int] | BaseException] = queue.Queue(maxsize=self.depth)
         self._stop, self._error = threading.Event(), None
         self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
         self._thread.start()
@@ -55,7 +55,7 @@ class Prefetcher:
             while len(windows):
                 if rows == 0:
                     slot = (slot + 1) % len(ring)
-                    if self._pin:
+                    if self._copied is not None:
                         self._copied[slot].synchronize()  # the copy out of this slot's last batch is done
                     x, y = ring[slot]
                 take = min(self.batch_size - rows, len(windows))
@@ -107,7 +107,7 @@ class Prefetcher:
         x, y = self._ring[slot]  # copied out: the slot is refilled once the next batch is taken
         x = x.to(self.device, non_blocking=self._pin, copy=True)
         y = y.to(self.device, non_blocking=self._pin, copy=True)
-        if self._pin:
+        if self._copied is not None:
             self._copied[slot].record(torch.cuda.current_stream(self.device))  # the stream the copies went on
         return x, y
 

@@ -24,6 +24,8 @@ import json
 import multiprocessing
 import os
 import pathlib
+from multiprocessing.pool import AsyncResult
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -34,7 +36,7 @@ from windows import BOS_ID, HEADER_BYTES, LLMC_HEADERS, RAW_DTYPES
 KINDS = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 BATCH_CHARS = 1 << 20  # text per tokenizing task: ~250K ids, large enough that sending it costs little
 MAX_CHUNKS = 9999  # chunk_NNNN.bin: beyond it, name order would no longer be file order
-WORKER = {}  # a worker process's tokenizer and document marker, set once by _start_worker
+WORKER: dict[str, Any] = {}  # a worker process's tokenizer and document marker, set once by _start_worker
 
 
 def input_files(inputs):
@@ -174,7 +176,7 @@ def encoded(batch_stream, tokenizer_path, marker, workers):
         return
     # spawn, not fork: nothing of this process (threads, a tokenizer's thread pool) is copied into the workers
     with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer_path, marker)) as pool:
-        pending = collections.deque()
+        pending: collections.deque[tuple[list, AsyncResult]] = collections.deque()
         for batch in batch_stream:
             pending.append((batch, pool.apply_async(_encode, ([text for _, text, _ in batch],))))
             if len(pending) >= 2 * workers:
@@ -224,18 +226,18 @@ class TokenWriter:
     def _header(self, count):
         if not self.header:
             return b""
-        magic, (version, _, _) = next((m, v) for m, v in LLMC_HEADERS.items() if v[1] == self.dtype)
+        magic, version = next((m, v.version) for m, v in LLMC_HEADERS.items() if v.dtype == self.dtype)
         header = np.zeros(HEADER_BYTES // 4, dtype="<i4")
         header[:3] = magic, version, count
         return header.tobytes()
 
     def format_name(self):
-        magic = next(m for m, v in LLMC_HEADERS.items() if v[1] == self.dtype)
+        magic = next(m for m, v in LLMC_HEADERS.items() if v.dtype == self.dtype)
         return f"llm.c {self.dtype.name} (magic {magic})" if self.header else f"raw {self.dtype.name}"
 
     def default_marker(self):
         """The document marker train.py's --bos_id auto takes for files of this format."""
-        return next(v[2] for v in LLMC_HEADERS.values() if v[1] == self.dtype) if self.header else BOS_ID
+        return next(v.marker for v in LLMC_HEADERS.values() if v.dtype == self.dtype) if self.header else BOS_ID
 
 
 def marker_id(tokenizer, doc_marker, path):
@@ -246,6 +248,7 @@ def marker_id(tokenizer, doc_marker, path):
                 f"--tokenizer {path} has no BOS token; name the document marker with --doc_marker (an id or a token)."
             )
         return tokenizer.bos_id()
+    marker: int | None
     if doc_marker.isdigit():
         marker = int(doc_marker)
     elif isinstance(tokenizer, HFTokenizer):

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from eval import fail, load_checkpoint, load_tokenizer, user_device, user_file
+from eval import OneSentenceParser, fail, load_checkpoint, load_tokenizer, user_device, user_file
 
 
 @torch.no_grad()
@@ -127,7 +127,7 @@ def sample(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneSentenceParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint.pt written by train.py")
     parser.add_argument("--tokenizer", default=None, help="the training data's SentencePiece .model or tokenizer.json")
     parser.add_argument(
@@ -141,7 +141,6 @@ def main(argv=None):
     parser.add_argument("--num_samples", type=int, default=3, help="continuations of the prompt, one batch")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...; default: cuda if present")
-    parser.error = fail  # a flag argparse cannot read is one sentence too (--help shows the usage)
     args = parser.parse_args(argv)
     try:
         return sample(args)

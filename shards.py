@@ -59,7 +59,8 @@ def deal_blocks(n_blocks, rank, world_size, seed, epoch):
 
 def staged_blocks(n_blocks, rank, world_size, seed, count):
     """The first count blocks dealt to rank, over as many epochs as that takes: what stage.py copies for it."""
-    dealt, epochs = [], itertools.count()
+    dealt: list[np.ndarray] = []
+    epochs = itertools.count()
     while sum(map(len, dealt)) < count:
         dealt.append(deal_blocks(n_blocks, rank, world_size, seed, next(epochs)))
     return np.concatenate(dealt)[:count]

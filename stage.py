@@ -36,7 +36,7 @@ COPY_BYTES = 1 << 26  # one read and write at most; ranges are block-sized (131 
 
 def merged(ranges):
     """Sorted (start, end) ranges with overlapping and touching ones joined."""
-    out = []
+    out: list[list[int]] = []  # lists: a range's end grows as ranges join it
     for start, end in sorted(ranges):
         if out and start <= out[-1][1]:
             out[-1][1] = max(out[-1][1], end)

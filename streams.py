@@ -20,7 +20,7 @@ import sys
 
 # the errors that mean "this stream's reader or storage went away"; anything else is a bug and is raised
 GONE_ERRNOS = {errno.EPIPE, errno.EIO, errno.ENOSPC, errno.EBADF, errno.ECONNRESET, errno.EDQUOT}
-LOST_LOG_STREAMS = []  # "stdout (broken pipe)", ...: this process's lost streams, for the metrics summary
+LOST_LOG_STREAMS: list[str] = []  # "stdout (broken pipe)", ...: this process's lost streams, for the metrics summary
 
 
 class LogStream:

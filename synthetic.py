@@ -47,7 +47,7 @@ def synthetic_tokens(n_tokens, vocab_size=32000, seed=0, n_states=SYNTH_STATES, 
     # distinct non-BOS successors per state; every state but BOS itself (no empty documents) ends docs via slot 0
     successors = rng.random((n_states, n_states - 1)).argpartition(n_successors - 1, axis=1)[:, :n_successors] + 1
     successors[1:, 0] = 0
-    successors = successors.astype(np.int32).ravel()
+    successor_of = successors.astype(np.int32).ravel()  # [state * n_successors + slot]
 
     # many chains ("lanes") advance together: a Python loop over lane length only, vectorised over lanes
     rng = np.random.default_rng([seed, 1, part])
@@ -58,7 +58,7 @@ def synthetic_tokens(n_tokens, vocab_size=32000, seed=0, n_states=SYNTH_STATES, 
         slots += uniform >= edge
     walk = np.zeros((steps, lanes), dtype=np.int32)  # row 0: every lane starts a document (state 0 = BOS)
     for t in range(steps - 1):
-        np.take(successors, walk[t] * n_successors + slots[t], out=walk[t + 1])
+        np.take(successor_of, walk[t] * n_successors + slots[t], out=walk[t + 1])
     walk = walk.T
     keep = np.ones(walk.shape, dtype=bool)
     keep[:, -1] = walk[:, -1] != 0  # so each lane join (s -> BOS) is a transition the chain can make

@@ -19,6 +19,7 @@ import mmap
 import os
 import stat
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,11 +28,21 @@ import numpy as np
 # names their dtype, detected per file. eval.py holds a deliberate copy (it runs beside model.py alone, in the
 # organizers' folder).
 TOKEN_DTYPE = np.dtype("<u2")
-RAW_DTYPES = {"uint16": TOKEN_DTYPE, "uint32": np.dtype("<u4")}
+RAW_DTYPES: dict[str, np.dtype] = {"uint16": TOKEN_DTYPE, "uint32": np.dtype("<u4")}
 HEADER_BYTES = 256 * 4
-# magic: (version, ids, the marker their writers put at each document's start). 20240520: GPT-2's ids, every document
-# opened by <|endoftext|>; 20240801: Llama-3's, opened by <|begin_of_text|> (llm.c's dev/data/fineweb.py)
-LLMC_HEADERS = {20240520: (1, np.dtype("<u2"), 50256), 20240801: (7, np.dtype("<u4"), 128000)}
+
+
+class LlmcFormat(NamedTuple):
+    """An llm.c header's format: its version, the ids' dtype, the marker its writers put at each document's start."""
+
+    version: int
+    dtype: np.dtype
+    marker: int
+
+
+# magic: its format. 20240520: GPT-2's ids, every document opened by <|endoftext|>; 20240801: Llama-3's, opened by
+# <|begin_of_text|> (llm.c's dev/data/fineweb.py)
+LLMC_HEADERS = {20240520: LlmcFormat(1, np.dtype("<u2"), 50256), 20240801: LlmcFormat(7, np.dtype("<u4"), 128000)}
 BOS_ID = 1  # document start in Llama/Mistral-style 32K vocabularies: the marker of raw files
 MAX_OPEN_FILES = 64  # token files a reader holds open at once (each block read is one file's; reopening is cheap)
 

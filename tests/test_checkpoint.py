@@ -29,7 +29,7 @@ def assert_only(folder, *names):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 2 MiB tmpfs, the issue's recipe for a full disk; needs root and mount."""
+    """A 2 MiB tmpfs: a disk that fills up; needs root and mount."""
     mount = shutil.which("mount")
     if os.geteuid() != 0 or mount is None:
         pytest.skip("mounting a tmpfs needs root and the mount command")

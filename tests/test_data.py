@@ -116,7 +116,7 @@ def test_summary_and_bos_detection(tmp_path):
 
 
 def sparse_bad_file(folder, n_tokens=1 << 21, n_bad=10, bad_id=40_000):
-    """The issue's case: a file of n_tokens good ids with n_bad ids of bad_id scattered through it."""
+    """A file of n_tokens good ids with n_bad ids of bad_id scattered through it."""
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 32000, n_tokens).astype("<u2")
     positions = np.sort(rng.choice(n_tokens, n_bad, replace=False))

@@ -133,7 +133,7 @@ def test_user_errors_are_one_sentence_and_exit_2(good_checkpoint, tmp_path, monk
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
-# ----------------------------------------------------------------------------- odd files and flags (issue 26, class 7)
+# ----------------------------------------------------------------------------- odd files and flags
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,7 @@ def test_speedrun_writes_its_variants_curves_beside_the_table(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
-# ----------------------------------------------------------------------------- odd files and flags (issue 26, class 7)
+# ----------------------------------------------------------------------------- odd files and flags
 
 TRAIN_ROW = {"step": 1, "elapsed_s": 0.5, "lr_frac": 1.0, "train_loss": 9.0, "tokens": 1024, "tokens_per_s": 2048}
 ODD_METRICS = {

@@ -190,7 +190,7 @@ def test_sample_imports_only_model_and_eval_of_ours():
     assert imported & ours == {"eval"}  # eval.py imports model.py alone: the organizers' view
 
 
-# ----------------------------------------------------------------------------- odd flags and files (issue 26, class 7)
+# ----------------------------------------------------------------------------- odd flags and files
 
 
 @pytest.fixture(scope="module")

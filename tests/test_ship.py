@@ -276,7 +276,7 @@ def test_bundle_refuses_imports_it_cannot_paste(tmp_path, train, words):
 
 
 def test_each_name_is_imported_from_its_owner_and_no_module_imports_itself_back():
-    """Issue 35: no re-export shims (`from data import Deal`, Deal being shards.py's) and no import circle among the
+    """No re-export shims (`from data import Deal`, Deal being shards.py's) and no import circle among the
     repo's modules (a CLI imports its library, never the reverse), imports inside functions included."""
     trees = {path.stem: ast.parse(path.read_text()) for path in REPO.glob("*.py")}
     defined = {name: {n for node in tree.body for n in bundle.bound_names(node)} for name, tree in trees.items()}
@@ -495,7 +495,7 @@ def test_hellaswag_end_to_end_with_a_real_sentencepiece_model(tmp_path):
     assert result["hellaswag_acc"] == 1.0 and result["hellaswag_acc_norm"] == 1.0
 
 
-# ----------------------------------------------------------------------------- bundle.py's OUT_DIR (issue 26, class 2)
+# ----------------------------------------------------------------------------- bundle.py's OUT_DIR
 
 
 def source_copy(folder):
