@@ -35,10 +35,10 @@ SECTIONS = {
     "headloss": "the training loss: the head's matmul and cross-entropy a chunk of rows at a time",
     "plan": "the run plan before the clock: shape, tokens per step, micro-batch, forecast steps",
     "schedule": "the schedule as a function of progress: LR fraction, Muon momentum; each group's LR",
-    "config": "the hyperparameters: one dataclass, its flags (the organizers' names verbatim), their checks",
     "windows": "the token-file format and the training windows read from it",
-    "shards": "which blocks of the data each rank reads, epoch by epoch",
     "synthetic": "the built-in synthetic data (a Markov chain whose best loss is known)",
+    "config": "the hyperparameters: one dataclass, its flags (the organizers' names verbatim), their checks",
+    "shards": "which blocks of the data each rank reads, epoch by epoch",
     "prefetch": "batches kept ready by a background thread, pinned and copied to the device",
     "data": "the data front: token files checked and loaded, BatchLoader, validation batches",
     "paths": "the files a run reads and writes, checked before anything is written",
@@ -181,16 +181,7 @@ def bundle_files(src_dir, pasted=PASTED):
                             f"{name}.py:{node.lineno}; one namespace cannot hold both, rename one."
                         )
                     owner[bound] = (name, node)
-    # reachability: train.py's code and statements that bind nothing (side effects), then the names they use
-    keep, todo = (
-        set(),
-        [node for name, nodes in code.items() for node in nodes if name == "train" or not bound_names(node)],
-    )
-    while todo:
-        node = todo.pop()
-        if id(node) not in keep:
-            keep.add(id(node))
-            todo += [owner[n.id][1] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in owner]
+    keep = reachable(code, owner)
     if missing := sorted(roots - sys.stdlib_module_names - set(REQUIREMENTS) - {SHIPPED}):
         raise BundleError(f"{', '.join(missing)} would be needed at run time but is not in REQUIREMENTS.")
     header = ast.get_docstring(trees["train"], clean=False)
@@ -209,6 +200,19 @@ def bundle_files(src_dir, pasted=PASTED):
         "train.py": "\n\n\n".join(parts) + "\n",
         "requirements.txt": REQUIREMENTS_NOTE + "".join(f"{name}{VERSIONS.get(name, '')}\n" for name in REQUIREMENTS),
     }
+
+
+def reachable(code, owner):
+    """ids of the statements a training run can reach: train.py's code and the statements that bind nothing (side
+    effects), then every statement that binds a name they use, and so on."""
+    keep: set[int] = set()
+    todo = [node for name, nodes in code.items() for node in nodes if name == "train" or not bound_names(node)]
+    while todo:
+        node = todo.pop()
+        if id(node) not in keep:
+            keep.add(id(node))
+            todo += [owner[n.id][1] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in owner]
+    return keep
 
 
 def file_identity(path):

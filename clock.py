@@ -163,7 +163,8 @@ class Clock:
     def _val_batch_s(self):
         """Forecast seconds of a validation batch: from the measured cost of a validation token or, before one is
         measured, VAL_TOKEN_COST x a training token's."""
-        token_s = self.val_token_s or VAL_TOKEN_COST * self.unit_s / self.micro_tokens
+        unit_s = self.unit_s or self.planned_unit_s  # measured whenever a validation is planned
+        token_s = self.val_token_s or VAL_TOKEN_COST * unit_s / self.micro_tokens
         return token_s * self.val_tokens / self.val_batches
 
     def _val_count(self):

@@ -6,13 +6,16 @@ import argparse
 import dataclasses
 import math
 import operator
+import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, NamedTuple, NoReturn, TypeAlias, TypeVar, cast
 
 import torch
 
 from model import GPTConfig
 from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, shape_config
+from synthetic import SYNTH_STATES
 
 
 def flag(default, help, kind=None, choices=None, at_least=None, above=None, below=None, at_most=None):
@@ -33,27 +36,33 @@ FRACTION = {"at_least": 0.0, "at_most": 1.0}
 LR = {"at_least": 0.0}  # finite; huge ones stay allowed: a diverging run is an experiment (tests make one)
 
 
+Auto = Literal["auto"]
+# the type a derived flag adds to its own: Auto as parsed (the flag not given), nothing once resolve() made it concrete
+Derived = TypeVar("Derived")
+
+
 @dataclass(frozen=True)
-class Hyperparameters:
-    """The flags. As parsed, a flag not given holds "auto"; launch.resolve() returns them with every "auto" made
-    concrete in the annotated type (None: the plan decides), once, for the run and for --dry_run alike."""
+class Hyperparameters(Generic[Derived]):
+    """The flags. As parsed (Parsed), a derived flag not given holds "auto"; resolve() returns them with every "auto"
+    made concrete in the annotated type (None: the plan decides), once, for the run and for --dry_run alike
+    (Resolved)."""
 
     # --- the organizers' flag names, kept verbatim ---
-    data_dir: str | None = flag(
+    data_dir: str | None | Derived = flag(
         "auto", "token folder (chunk_*.bin or *_train_*.bin); auto: /home/data if present, else synthetic data"
     )
     checkpoint_path: str = flag("checkpoint.pt", "written at start, every --save_every_min, on SIGTERM and at the end")
     seq_len: int = flag(1024, "training window in tokens", **POSITIVE)
-    vocab_size: int = flag(
+    vocab_size: int | Derived = flag(
         "auto", "auto: 32000 for token files, 1024 for the synthetic data", int, at_least=2, at_most=2**32
     )
-    n_layer: int | None = flag(
+    n_layer: int | None | Derived = flag(
         "auto", "shape flag; auto: from --model (given shape flags win, see --shape_flags)", int, **POSITIVE
     )
-    n_head: int | None = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
-    n_embd: int | None = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
+    n_head: int | None | Derived = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
+    n_embd: int | None | Derived = flag("auto", "shape flag; auto: from --model", int, **POSITIVE)
     batch_size: int = flag(8, "the floor of the micro-batch (sequences per device per forward)", **POSITIVE)
-    grad_accum_steps: int | None = flag(
+    grad_accum_steps: int | None | Derived = flag(
         "auto", "derived by the plan from tokens per step; a given value is ignored", int, **POSITIVE
     )
     max_steps: int = flag(1_000_000, "never exceeded; tokens per step grow so the budget fits in 90% of it", **POSITIVE)
@@ -63,33 +72,39 @@ class Hyperparameters:
     shape_flags: str = flag(
         "win", "win: --n_layer/--n_head/--n_embd override --model; ignore: --model decides", choices=("win", "ignore")
     )
-    tokens_per_param: float = flag(
+    tokens_per_param: float | Derived = flag(
         "auto", f"what --model auto wants; auto: per device {TOKENS_PER_PARAM}", float, above=0.0
     )
-    auto_efficiency: float = flag(
+    auto_efficiency: float | Derived = flag(
         "auto", f"step speed / matmul rate; auto: per device {AUTO_EFFICIENCY}", float, above=0.0, at_most=1.0
     )
-    batch_tokens: int | None = flag(
+    batch_tokens: int | None | Derived = flag(
         "auto", "global tokens per step; auto: the recipe's minimum, or more (--max_steps)", int, **POSITIVE
     )
-    micro_batch: int | None = flag(
+    micro_batch: int | None | Derived = flag(
         "auto", "sequences per device per forward; auto: as many as memory allows", int, **POSITIVE
     )
     dry_run: bool = flag(False, "print the plan and exit before any forward pass")
-    world_size: int = flag("auto", "with --dry_run: plan for this many devices; auto: this launch's", int, **POSITIVE)
-    peak_tflops: float | None = flag(
+    world_size: int | Derived = flag(
+        "auto", "with --dry_run: plan for this many devices; auto: this launch's", int, **POSITIVE
+    )
+    peak_tflops: float | None | Derived = flag(
         "auto", "bf16 peak per device, for MFU (and the rate a dry run plans with)", float, above=0.0
     )
-    device_memory_gib: float | None = flag(
+    device_memory_gib: float | None | Derived = flag(
         "auto", "per-device memory to plan with; auto: this device's", float, above=0.0
     )
     # --- data and evaluation ---
-    metrics_path: str = flag("auto", "JSON-lines metrics; auto: metrics.jsonl beside the checkpoint")
-    val_file: str | None = flag("auto", "validation token file; auto: the last --val_tokens of the last data file")
+    metrics_path: str | Derived = flag("auto", "JSON-lines metrics; auto: metrics.jsonl beside the checkpoint")
+    val_file: str | None | Derived = flag(
+        "auto", "validation token file; auto: the last --val_tokens of the last data file"
+    )
     val_tokens: int = flag(
         1_048_576, "size of the held-out validation range (the same tokens on every run)", at_least=0, at_most=1 << 27
     )
-    val_eval_tokens: int = flag("auto", "validation tokens scored; auto: all on CUDA, 65536 on CPU", int, **POSITIVE)
+    val_eval_tokens: int | Derived = flag(
+        "auto", "validation tokens scored; auto: all on CUDA, 65536 on CPU", int, **POSITIVE
+    )
     val_every_min: float = flag(
         0.0, "periodic validation until the decay, planned into the budget; 0: final only", at_least=0.0
     )
@@ -98,7 +113,7 @@ class Hyperparameters:
     token_dtype: str = flag(
         "uint16", "ids of headerless token files (llm.c's headered shards name their own)", choices=("uint16", "uint32")
     )
-    bos_id: int | None = flag(
+    bos_id: int | None | Derived = flag(
         "auto",
         "the document marker (--doc_aligned, the BOS check); auto: the format's: 1 in raw files, 50256 (GPT-2's "
         "<|endoftext|>) in llm.c's uint16 shards, 128000 (Llama-3's <|begin_of_text|>) in its uint32 ones",
@@ -190,7 +205,7 @@ class Hyperparameters:
     momentum_warmup_frac: float = flag(0.15, "fraction of the run over which Muon momentum warms up", **FRACTION)
     # --- device and runtime ---
     device: str = flag("auto", "auto (CUDA if present), cpu or cuda", choices=("auto", "cpu", "cuda"))
-    compile: bool = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
+    compile: bool | Derived = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
     autocast: str = flag("auto", "bf16 or none; auto: bf16 on CUDA, none on CPU", choices=("auto", "bf16", "none"))
     # auto: cuDNN first on compute capability 10.x (torch 2.9-2.10 prefer it on 9.0 and 10.0 only, so a B300 got
     # FlashAttention-2 at ~half cuDNN's speed); each checked against math before the clock (kernels.py)
@@ -225,6 +240,37 @@ class Hyperparameters:
     log_every_s: float = flag(
         1.0, "host-sync cadence: clock check, loss read, stop decision, metrics row", at_least=0.0
     )
+
+
+Parsed: TypeAlias = "Hyperparameters[Auto]"
+Resolved: TypeAlias = "Hyperparameters[NoReturn]"
+
+
+def resolve(hp: Parsed, world: int) -> Resolved:
+    """The flags with every "auto" made concrete, once, for the run and for --dry_run: what each means on this machine
+    (a dry run with --peak_tflops plans a CUDA device that is not here), or None where the plan decides."""
+    cuda = hp.device == "cuda" or (hp.device != "cpu" and torch.cuda.is_available())
+    kind = "cuda" if cuda or (hp.dry_run and isinstance(hp.peak_tflops, float) and hp.device != "cpu") else "cpu"
+    home_data = "/home/data" if os.path.isdir("/home/data") else None
+    data_dir = home_data if hp.data_dir == "auto" else hp.data_dir
+    meaning: dict[str, object] = {
+        "data_dir": home_data,
+        "vocab_size": 32000 if data_dir or hp.dry_run else SYNTH_STATES,
+        "metrics_path": os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl"),
+        "val_file": None,
+        "val_eval_tokens": hp.val_tokens if kind == "cuda" else 65536,
+        "device": kind,
+        "compile": kind == "cuda",
+        "autocast": "bf16" if kind == "cuda" else "none",
+        "tokens_per_param": TOKENS_PER_PARAM[kind],
+        "auto_efficiency": AUTO_EFFICIENCY[kind],
+        "world_size": world,
+        "model": "auto",  # a plan.make_plan choice: the ladder picks
+        "attention": "auto",  # a kernels.choose_attention choice, on the device
+    }  # the rest (shape, micro-batch, tokens per step, accumulation, peak rate, memory): None, the plan decides
+    given = dataclasses.asdict(hp)
+    values: dict[str, Any] = {k: meaning.get(k) if v == "auto" else v for k, v in given.items()}
+    return cast(Resolved, Hyperparameters(**values))
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -265,9 +311,15 @@ RETIRED = {
 }
 
 
+class Flags(NamedTuple):
+    hp: Parsed
+    model_switches: dict  # the model.py switches given
+    unknown: list  # flags no field or switch knows
+
+
 def parse_args(argv=None):
-    """(Hyperparameters, model.py switches given, unknown flags). Flags come from the dataclass, plus one per
-    model.py switch (default: model.py's own); a RETIRED flag is an error naming what replaced it."""
+    """The Flags: the dataclass's, plus one per model.py switch (default: model.py's own); a RETIRED flag is an
+    error naming what replaced it."""
     # no prefix matching: an unknown --warmup must be ignored, not read as --warmup_frac
     parser = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     for arg in sys.argv[1:] if argv is None else argv:
@@ -292,10 +344,10 @@ def parse_args(argv=None):
             add_boolean(parser, f.name, None, help_text)
         else:
             parser.add_argument(f"--{f.name}", type=f.type, default=None, help=help_text)
-    args, unknown = parser.parse_known_args(argv)
-    args = vars(args)
+    namespace, unknown = parser.parse_known_args(argv)
+    args = vars(namespace)
     model_switches = {f.name: value for f in switches if (value := args.pop(f.name)) is not None}
-    return Hyperparameters(**args), model_switches, unknown
+    return Flags(Hyperparameters(**args), model_switches, unknown)
 
 
 BOUND_TESTS = {"at least": operator.ge, "above": operator.gt, "below": operator.lt, "at most": operator.le}

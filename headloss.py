@@ -110,7 +110,7 @@ class HeadLoss(torch.autograd.Function):
             x_c, t_c, mix_c = x_in[i : i + rows], targets[i : i + rows], mix[i : i + rows]
             n = x_c.size(0)
             row_loss[i : i + n], total, g = chunk_fn(torch.mm(x_c, w.t()), t_c, mix_c, cap, need_grad)
-            if not need_grad:
+            if dx is None or dw is None:  # no gradient wanted
                 continue
             scale = slope * row_weight[i : i + n, None] / total  # commutes with the matmuls
             dx[i : i + n] = torch.mm(g, w).mul_(scale)

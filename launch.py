@@ -9,23 +9,25 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPTConfig, get_model, model_config
+from model import GPT, GPTConfig, get_model, model_config
 from headloss import compiled_head_loss, head_loss
-from data import BatchLoader, load_token_data, val_batches
+from data import BatchLoader, TokenData, load_token_data, val_batches
 from shards import Deal
-from synthetic import SYNTH_STATES
 from windows import WindowSpec
 from muon import build_optimizers
-from plan import AUTO_EFFICIENCY, TOKENS_PER_PARAM, RunPlan, agreed_matmul_rate, device_memory, make_plan
+from plan import RunPlan, agreed_matmul_rate, device_memory, make_plan
+from config import Resolved, resolve
 from checkpoint import Checkpointer, check_room
 from deadline import budget_until, training_deadline
-from kernels import AttentionCall, agreed_attention, choose_attention, point_triton_at_ptxas, triton_version
-from paths import check_outputs, lock_outputs, release_outputs, training_twin
+from kernels import AttentionCall, AttentionChoice, agreed_attention, choose_attention, point_triton_at_ptxas
+from kernels import triton_version
+from paths import PendingFile, check_outputs, lock_outputs, release_outputs, training_twin
 from report import MetricsFile
 from ranks import (
     bf16_grad_hook,
@@ -47,7 +49,7 @@ from ranks import (
 class Run:
     """Everything the loop reads, built and checked before the clock; the loop changes none of it."""
 
-    hp: object  # config.Hyperparameters, resolved: no "auto" left (None where the plan decided)
+    hp: Resolved  # no "auto" left (None where the plan decided)
     plan: RunPlan
     budget_s: float  # the plan's; the clock's is agreed from `deadline` right before it starts
     deadline: float  # unix seconds by which training ends (inf outside SLURM), the same on every rank
@@ -112,28 +114,28 @@ def launch(hp, model_switches, stop_signals, say):
             say(line)
     deadline = training_deadline(hp, rank, device, world, say)
     budget_s = budget_until(deadline, hp)  # first: the plan is made for the budget the run gets
-    hp, data, val, plan, loader, metrics, attention = checked_inputs(
-        hp, model_switches, rank, world, device, capability, budget_s, say
-    )
-    attention = agreed_attention(attention, device, world)
+    inputs = checked_inputs(hp, model_switches, rank, world, device, capability, budget_s, say)
+    hp, plan = inputs.hp, inputs.plan
+    attention = agreed_attention(inputs.attention, device, world)
     for note in attention.notes:
         say(note)
     eager_runs = EagerRuns(say, fail_on_miss=hp.on_recompile == "fail")
-    raw_model, model, loss_fn, optimizers = build_model(hp, plan, model_switches, device, world, eager_runs)
-    config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(raw_model.config)}
+    built = build_model(hp, plan, model_switches, device, world, eager_runs)
+    config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(built.raw_model.config)}
     checkpointer = Checkpointer(hp.checkpoint_path)
-    save_step_zero(checkpointer, raw_model, config, rank, device, world)
+    save_step_zero(checkpointer, built.raw_model, config, rank, device, world)
     say(versions(device, f"{attention.label}, op {attention.op}"))
     say(f"plan: {plan.line()}")
     say(
         f"{world} x {device.type} | compile {hp.compile} | autocast {hp.autocast} | grad reduce {hp.grad_reduce} | "
         f"budget {budget_s:.0f} s, max_steps {hp.max_steps}"
     )
-    if metrics is not None:  # a new file renamed in, never truncated: another name of the old one keeps its rows
-        metrics = MetricsFile(metrics.put_in_place())
+    # a new metrics file renamed in, never truncated: another name of the old one keeps its rows
+    metrics = MetricsFile(inputs.metrics.put_in_place()) if inputs.metrics is not None else None
     if world > 1:
         warm_collectives(device)  # ends in a barrier: every rank starts its clock right after it
     return Run(
+        **built._asdict(),
         hp=hp,
         plan=plan,
         budget_s=budget_s,
@@ -141,14 +143,10 @@ def launch(hp, model_switches, stop_signals, say):
         rank=rank,
         world=world,
         device=device,
-        raw_model=raw_model,
-        model=model,
-        loss_fn=loss_fn,
         attention=attention,
-        optimizers=optimizers,
         eager_runs=eager_runs,
-        loader=loader,
-        val=val,
+        loader=inputs.loader,
+        val=inputs.val,
         config=config,
         checkpointer=checkpointer,
         metrics=metrics,
@@ -157,36 +155,21 @@ def launch(hp, model_switches, stop_signals, say):
     )
 
 
-def resolve(hp, world):
-    """The flags with every "auto" made concrete, once, for the run and for --dry_run: what each means on this machine
-    (a dry run with --peak_tflops plans a CUDA device that is not here), or None where the plan decides."""
-    cuda = hp.device == "cuda" or (hp.device != "cpu" and torch.cuda.is_available())
-    kind = "cuda" if cuda or (hp.dry_run and isinstance(hp.peak_tflops, float) and hp.device != "cpu") else "cpu"
-    home_data = "/home/data" if os.path.isdir("/home/data") else None
-    data_dir = {"auto": home_data}.get(hp.data_dir, hp.data_dir)
-    meaning = {
-        "data_dir": home_data,
-        "vocab_size": 32000 if data_dir or hp.dry_run else SYNTH_STATES,
-        "metrics_path": os.path.join(os.path.dirname(os.path.abspath(hp.checkpoint_path)), "metrics.jsonl"),
-        "val_file": None,
-        "val_eval_tokens": hp.val_tokens if kind == "cuda" else 65536,
-        "device": kind,
-        "compile": kind == "cuda",
-        "autocast": "bf16" if kind == "cuda" else "none",
-        "tokens_per_param": TOKENS_PER_PARAM[kind],
-        "auto_efficiency": AUTO_EFFICIENCY[kind],
-        "world_size": world,
-        "model": "auto",  # a plan.make_plan choice: the ladder picks
-        "attention": "auto",  # a kernels.choose_attention choice, on the device
-    }  # the rest (shape, micro-batch, tokens per step, accumulation, peak rate, memory): None, the plan decides
-    given = dataclasses.asdict(hp)
-    return dataclasses.replace(hp, **{k: meaning.get(k) if v == "auto" else v for k, v in given.items()})
+class Inputs(NamedTuple):
+    """What checked_inputs returns: checked and agreed across ranks, nothing written yet."""
+
+    hp: Resolved  # with symlinked output paths resolved
+    data: TokenData
+    val: list
+    plan: RunPlan
+    loader: BatchLoader
+    metrics: PendingFile | None  # rank 0's metrics file, to be put in place
+    attention: AttentionChoice  # this rank's; launch agrees it across ranks
 
 
 def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s, say):
     """Data, validation, paths, the plan, the attention backend (a forced one that fails its check is refused here)
-    and the loader, agreed across ranks; nothing written yet. Returns hp with symlinked output paths resolved, and the
-    rest."""
+    and the loader, agreed across ranks; nothing written yet."""
     try:  # data and paths may differ per rank (a node's staged copy, one rank's unreadable file)
         data, val = check_inputs(hp, rank, world)
         hp = check_outputs(hp, say)
@@ -218,7 +201,7 @@ def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s
     except Exception as e:
         error = sentence(e)
     refused_together(error, device, world, rank)
-    return hp, data, val, plan, loader, metrics, attention
+    return Inputs(hp, data, val, plan, loader, metrics, attention)
 
 
 def check_inputs(hp, rank, world):
@@ -326,9 +309,17 @@ def check_plan(plan, hp, memory, budget_s, say):
         say(f"--grad_accum_steps {hp.grad_accum_steps} is derived by the plan: {plan.grad_accum_steps}")
 
 
+class Model(NamedTuple):
+    """What build_model returns, as the Run holds it."""
+
+    raw_model: GPT
+    model: torch.nn.Module  # what the loop calls: raw_model (compiled per block as configured), or its DDP wrapper
+    loss_fn: object  # model(x, y, loss_fn=...)'s training loss: headloss.head_loss, compiled as configured
+    optimizers: list
+
+
 def build_model(hp, plan, model_switches, device, world, eager_runs):
-    """(the plain model, what the loop calls: compiled per block and DDP-wrapped as configured, its loss_fn,
-    optimizers)."""
+    """The model, compiled per block and DDP-wrapped as configured, its training loss and its optimizers."""
     if device.type == "cuda":
         allow_tf32_matmuls()
     torch.manual_seed(hp.seed)
@@ -360,14 +351,12 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         for block in raw_model.blocks:  # what nn.Module.compile installed, called by block(...)
             block._compiled_call_impl = eager_runs.wrap(block._compiled_call_impl)
     loss_fn = compiled_head_loss(eager_runs.wrap) if hp.compile else head_loss
-    model = raw_model
-    if world > 1:
-        model = DDP(
-            raw_model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
-        )
-        if hp.grad_reduce == "bf16":
-            model.register_comm_hook(None, bf16_grad_hook)
-    return raw_model, model, loss_fn, optimizers
+    if world == 1:
+        return Model(raw_model, raw_model, loss_fn, optimizers)
+    ddp = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    if hp.grad_reduce == "bf16":
+        ddp.register_comm_hook(None, bf16_grad_hook)
+    return Model(raw_model, ddp, loss_fn, optimizers)
 
 
 def allow_tf32_matmuls(matmul=torch.backends.cuda.matmul):

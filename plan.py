@@ -228,8 +228,7 @@ def _shape_plan(
     **micro,
 ):
     costs = shape_costs(shape, vocab_size, seq_len)
-    fpt = costs["flops_per_token"]
-    tokens_per_s = matmul_rate * efficiency * world_size / fpt
+    tokens_per_s = matmul_rate * efficiency * world_size / costs["flops_per_token"]
     held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)  # what memory_needed counts beyond the shape
     sizing = dict(seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **held, **micro)
     micro_batch, accum, asked = _step_batches(
@@ -243,14 +242,12 @@ def _shape_plan(
     tokens = steps * tokens_per_step
     memory = memory_needed(costs, shape, micro_batch, seq_len, bf16, **held)
     snapshots = 2 * snapshot_bytes(costs, muon)  # trusted and pending
-    # rollback.Snapshot's own test: on a CUDA device with room for both twice over, else in pinned host memory
-    snapshots_on_device = kind != "cuda" or memory_bytes - memory > 2 * snapshots
     return RunPlan(
         model=name,
         **{k: shape[k] for k in ("n_layer", "n_head", "n_embd")},
         n_params=costs["params"],
         block_params=costs["block_params"],
-        flops_per_token=fpt,
+        flops_per_token=costs["flops_per_token"],
         world_size=world_size,
         seq_len=seq_len,
         tokens_per_step=tokens_per_step,
@@ -266,7 +263,8 @@ def _shape_plan(
         memory_gib=memory / 2**30,
         fits=memory <= memory_bytes,
         snapshot_gib=snapshots / 2**30,
-        snapshots_on_device=snapshots_on_device,
+        # rollback.Snapshot's own test: on a CUDA device with room for both twice over, else in pinned host memory
+        snapshots_on_device=kind != "cuda" or memory_bytes - memory > 2 * snapshots,
         matmul_tflops=matmul_rate / 1e12,
         efficiency=efficiency,
     )

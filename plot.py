@@ -17,7 +17,7 @@ import json
 import math
 import pathlib
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # train.py's training row
 TRAIN_KEYS: tuple[str, ...] = ("step", "elapsed_s", "lr_frac", "train_loss", "tokens", "tokens_per_s")
@@ -132,15 +132,13 @@ def loss_limits(runs):
     return low - margin, min(top, high) + margin
 
 
-def plot_runs(paths, out):
-    """Draw the runs' curves into the PNG at out; returns the figure."""
-    try:
-        from matplotlib import colormaps
-        from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-        from matplotlib.ticker import EngFormatter
-    except ImportError:
-        raise ImportError('plot.py needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)') from None
+# how a validation point looks, in the plot and in its legend
+VAL_STYLE: dict[str, Any] = dict(marker="o", markersize=6, markeredgecolor="black", linestyle=":")
+
+
+def check_out(out, paths):
+    """--out must name a PNG to write in a folder that exists, and none of the inputs (compared by identity: a hard
+    link or another path to an input is that input)."""
     if str(out) == "":
         raise ValueError("--out is empty; give the PNG to write, e.g. --out curves.png.")
     if pathlib.Path(out).is_dir():
@@ -149,45 +147,33 @@ def plot_runs(paths, out):
         )
     if not pathlib.Path(out).parent.is_dir():
         raise ValueError(f"--out {out}: the folder {pathlib.Path(out).parent} does not exist.")
-    runs = [load_run(path) for path in paths]
-    for path in paths:  # by identity: a hard link or another path to an input is that input
+    for path in paths:
         if pathlib.Path(out).exists() and metrics_file(path).samefile(out):
             raise ValueError(f"--out {out} is the metrics file {metrics_file(path)}; writing it would destroy it.")
-    if not runs:
-        raise ValueError("no runs to plot.")
-    facts = [run_facts(run["summary"]) for run in runs]
-    shared = {k: v for k, v in facts[0].items() if all(f.get(k) == v for f in facts)}
 
-    fig = Figure(figsize=(13, 8.5), layout="constrained")
-    (by_time, by_tokens), (lr, speed) = fig.subplots(2, 2)
-    colours = colormaps["tab10" if len(runs) <= 10 else "tab20"]
-    handles = []
-    for i, (run, facts_i) in enumerate(zip(runs, facts)):
-        colour = colours(i % colours.N)
-        train, val = run["train"], run["val"]
-        label = ", ".join([v for k, v in facts_i.items() if k not in shared])
-        final = (run["summary"] or {}).get("val_loss")
-        label = run["name"] + (f" ({label})" if label else "") + (f": val {final:.3f}" if finite_number(final) else "")
-        handles.append(Line2D([], [], color=colour, linewidth=2, label=label))
-        for ax, x in ((by_time, "elapsed_s"), (by_tokens, "tokens")):
-            ax.plot([r[x] for r in train], [r["train_loss"] for r in train], color=colour, linewidth=1.2)
-            points = [r for r in val if x in r]
-            ax.plot(
-                [r[x] for r in points],
-                [r["val_loss"] for r in points],
-                color=colour,
-                marker="o",
-                markersize=6,
-                markeredgecolor="black",
-                markeredgewidth=0.6,
-                linestyle=":",
-                linewidth=1,
-                zorder=3,
-            )
-        lr.plot([r["elapsed_s"] for r in train], [r["lr_frac"] for r in train], color=colour, linewidth=1.2)
-        speed.plot([r["elapsed_s"] for r in train], [r["tokens_per_s"] for r in train], color=colour, linewidth=1.2)
 
-    limits = loss_limits(runs)
+def draw_run(axes, run, colour):
+    """One run's train and validation losses against time and tokens, its LR and its throughput."""
+    by_time, by_tokens, lr, speed = axes
+    train, val = run["train"], run["val"]
+    for ax, x in ((by_time, "elapsed_s"), (by_tokens, "tokens")):
+        ax.plot([r[x] for r in train], [r["train_loss"] for r in train], color=colour, linewidth=1.2)
+        points = [r for r in val if x in r]
+        ax.plot(
+            [r[x] for r in points],
+            [r["val_loss"] for r in points],
+            color=colour,
+            markeredgewidth=0.6,
+            linewidth=1,
+            zorder=3,
+            **VAL_STYLE,
+        )
+    lr.plot([r["elapsed_s"] for r in train], [r["lr_frac"] for r in train], color=colour, linewidth=1.2)
+    speed.plot([r["elapsed_s"] for r in train], [r["tokens_per_s"] for r in train], color=colour, linewidth=1.2)
+
+
+def label_axes(axes, limits, eng_formatter):
+    by_time, by_tokens, lr, speed = axes
     for ax in (by_time, by_tokens):
         ax.set_ylabel("loss (nats/token)")
         if limits:
@@ -199,27 +185,47 @@ def plot_runs(paths, out):
     for ax in (by_time, lr, speed):
         ax.set_xlabel("seconds since the first step")
     by_tokens.set_xlabel("tokens")
-    by_tokens.xaxis.set_major_formatter(EngFormatter())
+    by_tokens.xaxis.set_major_formatter(eng_formatter())
     lr.set_ylabel("LR / peak LR")
     lr.set_ylim(-0.03, 1.05)
     speed.set_ylabel("tokens/s")
-    speed.yaxis.set_major_formatter(EngFormatter())
+    speed.yaxis.set_major_formatter(eng_formatter())
     speed.set_ylim(bottom=0)
-    for ax in (by_time, by_tokens, lr, speed):
+    for ax in axes:
         ax.grid(alpha=0.3)
 
+
+def plot_runs(paths, out):
+    """Draw the runs' curves into the PNG at out; returns the figure."""
+    try:
+        from matplotlib import colormaps
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+        from matplotlib.ticker import EngFormatter
+    except ImportError:
+        raise ImportError('plot.py needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)') from None
+    check_out(out, paths)
+    runs = [load_run(path) for path in paths]
+    if not runs:
+        raise ValueError("no runs to plot.")
+    facts = [run_facts(run["summary"]) for run in runs]
+    shared = {k: v for k, v in facts[0].items() if all(f.get(k) == v for f in facts)}
+    fig = Figure(figsize=(13, 8.5), layout="constrained")
+    (by_time, by_tokens), (lr, speed) = fig.subplots(2, 2)
+    axes = (by_time, by_tokens, lr, speed)
+    colours = colormaps["tab10" if len(runs) <= 10 else "tab20"]
+    handles = []
+    for i, (run, facts_i) in enumerate(zip(runs, facts)):
+        colour = colours(i % colours.N)
+        label = ", ".join([v for k, v in facts_i.items() if k not in shared])
+        final = (run["summary"] or {}).get("val_loss")
+        label = run["name"] + (f" ({label})" if label else "") + (f": val {final:.3f}" if finite_number(final) else "")
+        handles.append(Line2D([], [], color=colour, linewidth=2, label=label))
+        draw_run(axes, run, colour)
+    label_axes(axes, loss_limits(runs), EngFormatter)
     handles += [
         Line2D([], [], color="black", linewidth=1.2, label="train loss"),
-        Line2D(
-            [],
-            [],
-            color="grey",
-            marker="o",
-            markersize=6,
-            markeredgecolor="black",
-            linestyle=":",
-            label="validation loss",
-        ),
+        Line2D([], [], color="grey", label="validation loss", **VAL_STYLE),
     ]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(3, len(handles)), frameon=False)
     title = ", ".join(shared.values())

@@ -16,6 +16,7 @@ import signal
 import sys
 import traceback
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch._functorch.config
@@ -88,14 +89,20 @@ def cap_compile_workers(env, compiling, cpus=None):
     workers = min(INDUCTOR_MAX_WORKERS, max(1, cpus // ranks))
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(workers)
     if (config := sys.modules.get("torch._inductor.config")) is not None:  # read already: set it there too
-        config.compile_threads = workers
+        setattr(config, "compile_threads", workers)
     return (
         f"compile: {workers} inductor compile worker(s) per rank ({cpus} CPUs visible / {ranks} rank(s) on this node)"
     )
 
 
+class Place(NamedTuple):
+    rank: int
+    world: int
+    local_rank: int
+
+
 def launcher_env(env):
-    """(rank, world size, local rank) from torchrun's variables, checked: without a launcher they are 0, 1, 0."""
+    """This process's Place from torchrun's variables, checked: without a launcher rank 0 of 1, local rank 0."""
     try:
         rank, world, local_rank = (int(env.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     except ValueError:
@@ -104,7 +111,7 @@ def launcher_env(env):
         raise ValueError(f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} do not fit; launch with torchrun")
     if world > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
         raise ValueError(f"WORLD_SIZE={world} without MASTER_ADDR and MASTER_PORT: launch several ranks with torchrun")
-    return rank, world, local_rank
+    return Place(rank, world, local_rank)
 
 
 def cuda_index(local_rank, visible, local_world=None, torchrun=False):
@@ -199,25 +206,30 @@ def leave_together(error, device, world, rank):
     sys.exit(2)
 
 
+class Failures(NamedTuple):
+    ranks: list  # the ranks whose error is not None, in order
+    first_error: object  # the first one's error, or None
+
+
 def failing_ranks(error, device, world, rank):
-    """(the ranks whose `error` is not None, in order; the first one's error), the same on every rank: one all-reduce
-    of a flag per rank, and the first failing rank's error sent to all only when some rank failed."""
+    """Failures, the same on every rank: one all-reduce of a flag per rank, and the first failing rank's error sent to
+    all only when some rank failed."""
     if world == 1:
-        return ([rank] if error is not None else []), error
+        return Failures([rank] if error is not None else [], error)
     flags = torch.zeros(world, device=device)
     flags[rank] = float(error is not None)
     dist.all_reduce(flags)
     failed = flags.nonzero().flatten().tolist()
     if not failed:
-        return [], None
+        return Failures([], None)
     first_error = [error]
     dist.broadcast_object_list(first_error, src=failed[0])
-    return failed, first_error[0]
+    return Failures(failed, first_error[0])
 
 
 def rank_span(ranks):
     """Ranks as a person reads them: "rank 3", "ranks 8-15", "ranks 0, 2, 8-15"."""
-    spans = []
+    spans: list[list[int]] = []
     for r in ranks:
         if spans and r == spans[-1][1] + 1:
             spans[-1][1] = r
@@ -311,7 +323,7 @@ class StopSignals:
     saves, validates and exits 0."""
 
     def __init__(self):
-        self.signals = []
+        self.signals: list[int] = []
         for name in STOP_SIGNALS:
             signal.signal(getattr(signal, name), lambda sig, frame: self.signals.append(sig))
 

@@ -87,7 +87,7 @@ class MetricsFile:
 
     def __init__(self, handle):
         self.handle, self.error, self.closed, self._said = handle, None, False, False
-        self._lines = queue.SimpleQueue()
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._drain, daemon=True)  # a stuck write never keeps the process
         self._thread.start()
 

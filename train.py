@@ -262,16 +262,16 @@ class Trainer:
         run = self.run
         counts = compile_counts()  # graphs compiled under a backend left behind are not the run's
         why, in_attention = self.compiled_trial()
-        while (failed := failing_ranks(why if in_attention else None, run.device, run.world, run.rank))[0]:
+        while (failed := failing_ranks(why if in_attention else None, run.device, run.world, run.rank)).ranks:
             if (rest := next_attention(self.attention)) is None:
                 break
             if in_attention:
                 print(f"rank {run.rank}: step 0 failed inside attention {self.attention.name} ({why})", file=sys.stderr)
             rest = agreed_attention(rest, run.device, run.world)
-            where = "" if run.world == 1 else f" on {rank_span(failed[0])} of {run.world}"
+            where = "" if run.world == 1 else f" on {rank_span(failed.ranks)} of {run.world}"
             run.say(
-                f"warning: step 0 failed inside attention {self.attention.name}{where} ({failed[1]}); every rank "
-                f"compiles again under {rest.label}, op {rest.op}"
+                f"warning: step 0 failed inside attention {self.attention.name}{where} ({failed.first_error}); every "
+                f"rank compiles again under {rest.label}, op {rest.op}"
             )
             for note in rest.notes:
                 run.say(note)

@@ -455,11 +455,10 @@ def test_a_stop_inside_a_long_accumulation_is_honoured_between_micro_steps(tmp_p
 @pytest.fixture
 def outputs_hp(tmp_path, token_dir):
     """Hyperparameters resolved as a run on token_dir writing into tmp_path would have them."""
-    import launch
     import config
 
     hp, _, _ = config.parse_args(["--data_dir", str(token_dir), "--checkpoint_path", str(tmp_path / "ck.pt")])
-    return launch.resolve(hp, 1)
+    return config.resolve(hp, 1)
 
 
 OUTPUT_CASES = {

@@ -280,13 +280,12 @@ def hp_on(tmp_path, token_dir):
     """Hyperparameters resolved as a run on a copy of token_dir writing into tmp_path would have them: (hp, data)."""
     import shutil
 
-    import launch
     import config
 
     data = tmp_path / "data"
     shutil.copytree(token_dir, data)
     hp, _, _ = config.parse_args(["--data_dir", str(data), "--checkpoint_path", str(tmp_path / "ck.pt")])
-    return launch.resolve(hp, 1), data
+    return config.resolve(hp, 1), data
 
 
 def hard_link(tmp, target, name="out.pt"):
@@ -640,7 +639,7 @@ def test_a_micro_batch_that_raises_the_tokens_per_step_says_so(event_plan):
     for overrides in ({"micro_batch": 48}, {"micro_batch": 48, "batch_tokens": 524288}, {"micro_batch": 16}, {}):
         plan, _ = event_plan(**overrides)
         hp, _, _ = config.parse_args(["--dry_run", "--peak_tflops", "2250", "--device_memory_gib", "288"])
-        hp = dataclasses.replace(launch.resolve(hp, 1), **overrides)
+        hp = dataclasses.replace(config.resolve(hp, 1), **overrides)
         said = []
         launch.check_plan(plan, hp, 288 * 2**30, 600.0, said.append)
         raised = [line for line in said if line.startswith("--micro_batch")]

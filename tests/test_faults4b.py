@@ -136,7 +136,7 @@ def test_every_old_switch_given_as_a_flag_still_builds_todays_model():
     flags = [f"--{k}={getattr(GPTConfig(), k)}" for k in FIRST_KEYS if k not in config.parse_args([])[0].__dict__]
     hp, switches, unknown = config.parse_args(["--device", "cpu", *flags])
     assert not unknown and set(FIRST_KEYS) <= {*switches, "vocab_size", "seq_len", "n_layer", "n_head", "n_embd"}
-    hp = launch.resolve(hp, 1)
+    hp = config.resolve(hp, 1)
     shape = types.SimpleNamespace(n_layer=2, n_head=2, n_embd=32)
     model, *_ = launch.build_model(hp, shape, switches, torch.device("cpu"), 1, launch.EagerRuns(print, False))
     assert model.bigram is not None and model.backout_lambda is not None

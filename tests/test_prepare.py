@@ -14,7 +14,7 @@ from config import parse_args
 from conftest import train_tokenizer
 from data import load_token_data
 from eval import load_tokenizer
-from launch import resolve
+from config import resolve
 from windows import token_layout
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly kings and queens".split()

@@ -16,7 +16,7 @@ def test_the_model_is_built_where_it_trains_and_on_cpu_as_before(monkeypatch):
     """Made on its device, not made on the CPU and copied (529M parameters at the event); the meta device stands in
     for a GPU. On the CPU the weights are bit for bit those of get_model under the same seed (the two-rank tests
     lean on this)."""
-    hp = launch.resolve(config.Hyperparameters(n_layer=2, n_head=2, n_embd=64, seq_len=32, seed=3), 1)
+    hp = config.resolve(config.Hyperparameters(n_layer=2, n_head=2, n_embd=64, seq_len=32, seed=3), 1)
     shape = {"n_layer": 2, "n_head": 2, "n_embd": 64}
     plan = type("Plan", (), shape)  # build_model reads the plan's shape only
     made_on = []
