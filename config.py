@@ -128,25 +128,21 @@ class Hyperparameters(Generic[Derived]):
         "clock", "clock: elapsed / budget; steps: step / max_steps (the starter's way)", choices=("clock", "steps")
     )
     warmup_frac: float = flag(0.0, "fraction of the run in linear LR warmup (Muon needs none)", at_least=0.0, below=1.0)
-    # cooldown 0.7: mnGPT medium track (16 x 1024), "longer cooldown" -30 s. Here (BENCHMARKS.md, optimizer settings):
-    # vs 0.4 +0.041 at 40 CPU steps (worse on 3/3 seeds, within their 0.11 spread): the record decides; gpu_ab re-tests
+    # mnGPT medium (16 x 1024) "longer cooldown": -30 s; here vs 0.4 +0.041, a tie; BENCHMARKS "The record's settings"
     decay_frac: float = flag(
         0.7, "WSD: fraction of the run in the final linear decay (0.7: the 16 x 1024 record's)", above=0.0, at_most=1.0
     )
-    # floor 0.15: mnGPT short track (train_gpt.py), -1.2 s. Here: vs 0 -0.024 (3 seeds, a tie); the record decides
+    # mnGPT short track: -1.2 s; here vs 0: -0.024, a tie: the record's; BENCHMARKS "The record's settings"
     min_lr_frac: float = flag(
         0.15,
         "the LR floor the decay ends at, as a fraction of each group's LR (0.15: the short-track record's)",
         **FRACTION,
     )
-    # tail EMA: mnGPT optimization track #45-#46 (2026-06): an EMA of every weight but the token embedding, time
-    # constant 150 steps, started 5 of them before the end, scored as 0.4 x weights + 0.6 x EMA: -30 steps of 2,750.
-    # Its rule for the time constant, the schedule's own timescale lr / |dlr/dt| at the end, is 0.12 of the run with
-    # this schedule (floor 0.15, decay 0.7: 0.15 x 0.7 / 0.85). Here at l4w128, 100 steps, 3 seeds: +0.003 (+0.006,
-    # -0.003, +0.005), and +0.004 at the record's 0.055: ties, so off until a GPU run of the event's shape decides
+    # mnGPT optimization track #45-#46: -30 of 2,750 steps; here +0.003, a tie: off; BENCHMARKS "Tail EMA"
     tail_ema: float = flag(
         0.0, "blend of the weights' tail EMA into the final checkpoint (0.6: the record's); 0: off", **FRACTION
     )
+    # the record's rule: the schedule's timescale lr / |dlr/dt| at its end, 0.15 x 0.7 / 0.85 of the run (tailema.py)
     tail_ema_horizon: float = flag(
         0.12,
         "the tail EMA's time constant, as a fraction of the run; it starts 5 of them before the end",
@@ -156,41 +152,36 @@ class Hyperparameters(Generic[Derived]):
     optimizer: str = flag(
         "muon", "muon: Muon for hidden matrices + AdamW; adamw: AdamW for everything", choices=("muon", "adamw")
     )
-    # 0.025: mnGPT short track's 0.05 (width 768, ~0.5M tokens) halved. Here at l4w128: 0.025 vs 0.05 -0.041 to -0.055
-    # on 3/3 seeds; 0.0125 ties 0.025; widths 128, 256 and 384 all prefer x0.5 (no move), 64 x2 (BENCHMARKS.md)
+    # mnGPT short track's 0.05, halved: here better on 3/3 seeds at widths 128-384; BENCHMARKS "LRs across widths"
     muon_lr: float = flag(
         0.025, "Muon LR of the hidden matrices (the CPU's best at widths 128-384, BENCHMARKS.md)", **LR
     )
     adamw_lr: float = flag(3e-3, "AdamW LR of the hidden matrices with --optimizer adamw", **LR)
-    # 0.6: mnGPT short track. Here: x0.5 and x2 within 0.013 of it at widths 128-384, -0.025/+0.047 at 64: flat; kept
+    # mnGPT short track; here x0.5 and x2 within 0.013 at widths 128-384, flat: kept; BENCHMARKS "LRs across widths"
     embed_lr: float = flag(0.6, "AdamW LR of the embedding tables", **LR)
     head_lr: float = flag(0.008, "AdamW LR of the output head (and of a tied embedding)", **LR)
     scalar_lr: float = flag(0.04, "AdamW LR of gains and scalars", **LR)
-    # sqrt: Malladi et al. 2022 (arXiv:2205.10287); mnGPT short track scales every group with its batch. Here at 4x the
-    # batch: none +0.24-0.39 (3 seeds, beyond noise), sqrt_adam +0.039 (3 seeds, a tie); BENCHMARKS.md, optimizer
+    # Malladi et al. 2022 (arXiv:2205.10287); here at 4x the batch none +0.24-0.39; BENCHMARKS "The batch rule's scope"
     lr_rule: str = flag(
         "sqrt",
         "sqrt: every LR x sqrt(tokens per step / the recipe's minimum) when the batch is larger (BENCHMARKS.md, "
         "the step cap); sqrt_adam: the AdamW groups' only, Muon's as given; none: the LRs as given",
         choices=("none", "sqrt", "sqrt_adam"),
     )
-    # 1.2 x LR, cautious: mnGPT medium track (16 x 1024), weight decay -72 s. Here: -0.013 (3 seeds, a tie); adopted
+    # mnGPT medium (16 x 1024): -72 s; here -0.013, a tie: the record's; BENCHMARKS "The record's settings"
     muon_weight_decay: float = flag(
         1.2, "Muon's weight decay, times the LR, cautious (only where update and weight agree in sign)", **LR
     )
-    # 0.005 x LR, cautious: mnGPT medium track's Adam groups. Here: measured with Muon's 1.2 (above)
+    # mnGPT medium's Adam groups; here measured together with Muon's; BENCHMARKS "The record's settings"
     adam_weight_decay: float = flag(0.005, "the same on the AdamW embedding, head and hidden tables", **LR)
-    # Polar Express: Amsel et al. 2025 (arXiv:2505.16932); mnGPT "tuned Newton-Schulz coefficients" -24 s. Here: +0.021
-    # (3 seeds, a tie); 5 iterations on real gradients: error 0.29 vs the quintic's 0.40 (bench/ns_error.py); adopted
+    # Amsel et al. 2025 (arXiv:2505.16932), mnGPT -24 s; here +0.021, a tie: adopted; BENCHMARKS "The record's settings"
     ns_coeffs: str = flag(
         "polar_express",
         "Newton-Schulz polynomials: quintic (one fixed, Keller Jordan's) or polar_express (one per iteration, "
         "Amsel et al. 2025)",
         choices=("quintic", "polar_express"),
     )
-    # NorMuon: Li et al. 2025 (arXiv:2510.05491); mnGPT short track #41 (-0.8 s; with #42's LR fix -2.7 s), medium #18
-    # (16 x 1024, beta2 0.95). Here: -0.022 at 100 steps (-0.025/-0.016/-0.026, all better, one within 0.02: a tie by
-    # the rule, which the same-shape record decides); at 5 minutes: BENCHMARKS.md, "Issue 45". Adopted
+    # Li et al. 2025 (arXiv:2510.05491), mnGPT medium #18; here -0.022, a tie the record decides; BENCHMARKS "NorMuon"
     normuon_beta2: float = flag(
         0.95,
         "NorMuon: each neuron's Muon update divided by the root of an EMA of its mean square with this beta2, the "
@@ -207,8 +198,7 @@ class Hyperparameters(Generic[Derived]):
     device: str = flag("auto", "auto (CUDA if present), cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool | Derived = flag("auto", "compile each transformer block; auto: on CUDA only", bool)
     autocast: str = flag("auto", "bf16 or none; auto: bf16 on CUDA, none on CPU", choices=("auto", "bf16", "none"))
-    # auto: cuDNN first on compute capability 10.x (torch 2.9-2.10 prefer it on 9.0 and 10.0 only, so a B300 got
-    # FlashAttention-2 at ~half cuDNN's speed); each checked against math before the clock (kernels.py)
+    # torch 2.9-2.10 prefer cuDNN on sm_90 and sm_100 only: a B300 got FlashAttention-2 at ~half its speed (kernels.py)
     attention: str = flag(
         "auto",
         "SDPA backend: auto (torch's pick; on compute capability 10.x cuDNN first, then down the list to the first "

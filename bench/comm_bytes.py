@@ -1,5 +1,5 @@
 """Bytes each rank sends per optimizer step: DDP's gradient all-reduce and Muon's all_gather, before and
-after issue 13 (fp32 -> bf16 all-reduce), computed from the code's own bucket and share sizes.
+after the gradient all-reduce moved from fp32 to bf16, computed from the code's own bucket and share sizes.
 
     python bench/comm_bytes.py [--shapes l12w768,l16w1024] [--worlds 8,32] [--buckets] [--check]
 

@@ -5,7 +5,7 @@
     python bench/compile_time.py --device cuda --modes per_block --batch 8,16,32 --seq 1024 --head fused --optimizer
 
 Modes:
-  whole      torch.compile(model): what train.py did before issue 13, one graph for the whole model; measured
+  whole      torch.compile(model): what train.py once did, one graph for the whole model; measured
              at the first --batch only, for the comparison
   per_block  model.compile_per_block() and headloss.compiled_head_loss(), what train.py does now: each block
              compiled on its own and the head's per-chunk loss math, the embeddings and the head's matmuls eager.

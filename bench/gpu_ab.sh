@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The optimizer choices the CPU could not settle (issue 34), at the event's shape on one GPU: a second device call
+# The optimizer choices the CPU could not settle, at the event's shape on one GPU: a second device call
 # after bench/gpu_check.sh, <= 8 minutes with its start-up. Each variant is one compiled bf16 train.py run of
 # l16w1024 with the organizers' flags (--seq_len 1024 --batch_size 8 --grad_accum_steps 4 --max_steps 5000) at
 # equal wall clock (TRAIN_MIN each), on the same data, scored by eval.py (model.py alone, the organizers' load) on

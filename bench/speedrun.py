@@ -58,7 +58,7 @@ CALIBRATION = {  # tokens per optimizer step around the CPU minimum (plan.MIN_TO
     "tokens_4096_seed1": "--batch_tokens 4096 --seed 1",
 }
 
-# The organizers' step cap in the same ratio (issue 27): --max_steps 46 leaves 0.9 x 46 = 41 planned steps for ~300 s x
+# The organizers' step cap in the same ratio: --max_steps 46 leaves 0.9 x 46 = 41 planned steps for ~300 s x
 # ~1,300 tokens/s, so the clock's replan raises the accumulation of micro-batch 8 x 256 to 5: 10,240 tokens a step, 5x
 # the recipe's 2,048 (the event: 2,555,904 / 524,288 = 4.9x). Every variant keeps micro-batch 8, the recipe's step.
 CAP = "--micro_batch 8 --max_steps 46 --val_every_min 0.5"
@@ -72,7 +72,7 @@ STEP_CAP = {
     }.items()
 }
 
-# The current record's model (issue 37) at fixed steps: 100 optimizer steps of 2,048 tokens, whatever the shared CPU's
+# The current record's model at fixed steps: 100 optimizer steps of 2,048 tokens, whatever the shared CPU's
 # speed (the step cost is compared apart); each switch alone against the default before it ("base"), then the adopted
 # set together, which is the default now.
 FIXED = "--max_steps 100 --batch_tokens 2048 --progress_by steps"

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One pair of the rollback-overhead benchmark (BENCHMARKS.md): an old checkout (OLD, e.g. commit 123bdc7, before the
-# rollback guard) and this one (NEW) side by side for 75 s on the bench corpus, with the same model (issue 37's switches
-# off) and optimizer math (quintic Newton-Schulz, no weight decay), each pinned to one core; pair i swaps the cores
+# rollback guard) and this one (NEW) side by side for 75 s on the bench corpus, with the same model (the record's
+# switches off) and optimizer math (quintic Newton-Schulz, no weight decay), each pinned to one core; pair i swaps the cores
 # when i is odd.
 #   for i in 0 1 2; do OLD=/tmp/oldmain NEW=. bash bench/stable_pair.sh $i; done
 set -u

@@ -1,4 +1,4 @@
-"""The recipe under the organizers' step cap (issue 27): the five variants' table and plot, from speedrun.py runs.
+"""The recipe under the organizers' step cap: the variants' table and plot, from speedrun.py runs.
 
     # two streams side by side, one core each (BENCHMARKS.md has the exact lanes used)
     taskset -c 0 python bench/speedrun.py --budget_min 5 --variants cap_none_seed0,cap_forced_seed0,... --out A

@@ -4,8 +4,8 @@ head, Muon + AdamW) per variant, the variants interleaved round-robin so that a 
     python bench/step_cost.py                                   # l4w128, T 256, micro-batch 8, vocab 32000
     python bench/step_cost.py --variants "bigram_mult=5;backout=1" --reps 15
 
-Prints each variant's median and minimum step time and their ratios to the first variant's (the default before issue
-37 unless given).
+Prints each variant's median and minimum step time and their ratios to the first variant's (the default before the record's bigram table, backout
+and value-embedding gate, unless given).
 """
 
 import argparse
@@ -22,7 +22,7 @@ from model import GPTConfig, get_model  # noqa: E402
 from headloss import head_loss  # noqa: E402
 from muon import build_optimizers  # noqa: E402
 
-BEFORE = "bigram_mult=0,backout=0,ve_gate=0"  # the default before issue 37; "default" is the adopted set
+BEFORE = "bigram_mult=0,backout=0,ve_gate=0"  # before the record's switches; "default": them adopted
 VARIANTS = ";".join(
     [BEFORE]
     + [f"{BEFORE},{s}" for s in ("bigram_mult=5", "smear=1", "attn_gate=1", "ve_gate=1", "backout=1")]

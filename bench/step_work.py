@@ -1,4 +1,4 @@
-"""Issue 43 item 4, the per-step memory-bound work the FLOP forecast does not count: the cautious weight decay (Muon
+"""The per-step memory-bound work the FLOP forecast does not count: the cautious weight decay (Muon
 and AdamW) and the embedding tables' per-micro-step gradients, before and after, in bytes per optimizer step at the
 event's shape (arithmetic) and in CPU time side by side.
 
