@@ -48,6 +48,7 @@ SECTIONS = {
     "deadline": "the SLURM-aware budget: one deadline for every rank, taken again right before the clock",
     "streams": "stdout and stderr that may go away (a dead tee, a hang-up) without ending the run",
     "report": "what a run reports: metrics rows, the progress bar, the summary row, the human summary",
+    "resume": "the training state beside the checkpoint: saved, found, checked and loaded, so a run goes on in a job",
     "launch": "everything before the clock, in order; returns the Run the loop reads",
 }
 PASTED = list(SECTIONS)

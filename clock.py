@@ -27,6 +27,9 @@ DOWN_MARGIN = 0.05
 # a first step that outlasted the whole budget was a compile when a step is forecast at this share of it or less: one
 # step at the floor then follows it (a first step that was one slow step gets no second one past the budget)
 COMPILE_STEP_SHARE = 0.1
+# a job stops for its wall at the last sync at least this many steps before it (the rest of the way to the SLURM end
+# is --slurm_reserve_s, for the saves)
+WALL_STEPS = 2
 
 
 def steps_between(t0, t1, unit_s, accum):
@@ -87,11 +90,18 @@ def replanned_accum(step, max_steps, accum, min_accum, steps_left):
     return min(new for new in used if used[new] >= (1 - FILL_SLACK) * max(used.values()))
 
 
+# what a resumed run's clock takes on from the one it continues (state_dict); the rest comes from the run's flags
+RESUMED = (
+    "accum", "planned_unit_s", "val_token_s", "unit_s", "compile_s", "last", "start_s", "end_s", "prev_step",
+    "prev_elapsed", "prev_paused", "units", "prev_units", "done", "step_accum",
+)  # fmt: skip
+
+
 class Clock:
     """The loop's time keeping, fed at every host sync with numbers all ranks agree on, so they decide alike:
     the steady micro-step time (pauses taken out), what the periodic validations still to come may take, the late
     accumulation (replanned both ways in the first half of the budget, so that a binding step cap is filled, never
-    overrun), the last step and the next sync."""
+    overrun), the last step and the next sync. A budget that spans jobs stops each job before its wall ("wall")."""
 
     def __init__(
         self,
@@ -122,7 +132,39 @@ class Clock:
         self.prev_step, self.prev_elapsed, self.prev_paused = 0, 0.0, 0.0
         self.units, self.prev_units = 0, 0  # accumulation micro-steps begun in all, and at the last sync
         self.done, self.step_accum = 0.0, accum
+        self.rebase = False  # a resumed job's first step compiles: its time is no step's
         self._said = set()
+
+    def state_dict(self):
+        return {name: getattr(self, name) for name in RESUMED}
+
+    def load_state_dict(self, state):
+        """Continue the clock a state_dict was taken of: the first step after it (a compile) is synced after and not
+        measured."""
+        for name in RESUMED:
+            setattr(self, name, state[name])
+        self.sync_at, self.rebase = self.prev_step + 1, True
+
+    @classmethod
+    def for_run(cls, run, budget_s):
+        """The clock of a launch.Run: its flags and plan. Periodic validation stops where the decay starts: the final
+        one measures the end, and the decay runs unbroken."""
+        hp, plan = run.hp, run.plan
+        return cls(
+            budget_s,
+            hp.max_steps,
+            plan.grad_accum_steps,
+            hp.log_every_s,
+            may_replan=hp.batch_tokens is None,
+            planned_step_s=plan.step_s,
+            micro_tokens=plan.micro_batch * hp.seq_len,
+            val_every_s=hp.val_every_min * 60,
+            val_until_s=budget_s * (1 - hp.decay_frac),
+            val_batches=len(run.val),
+            val_tokens=sum(y.numel() for _, y in run.val),
+            min_accum=plan.min_accum,
+            progress_by_steps=hp.progress_by == "steps",
+        )
 
     @property
     def step_s(self):
@@ -217,7 +259,9 @@ class Clock:
         """Take the micro-step time from the steps since the last sync (the first step carries compilation)."""
         units = self.units - self.prev_units
         interval = (elapsed - self.prev_elapsed - (paused - self.prev_paused)) / max(units, 1)
-        if step == 1:
+        if self.rebase:
+            self.rebase = False
+        elif step == 1:
             self.compile_s = self.start_s = elapsed
             # the first step (compile and warm-up included) bounds a step: a forecast slower than it plans too few
             self.planned_unit_s = min(self.planned_unit_s, interval)
@@ -229,13 +273,16 @@ class Clock:
             self.unit_s = interval if self.unit_s is None else 0.5 * self.unit_s + 0.5 * interval
         self.prev_step, self.prev_elapsed, self.prev_paused, self.prev_units = step, elapsed, paused, self.units
 
-    def sync(self, step, elapsed, paused, val_token_s):
-        """Take the clock after `step` steps: elapsed and paused (validation, saves) seconds, and val_token_s, what a
-        validation token took (0 before the first validation). Returns the stop reason, or None to go on."""
+    def sync(self, step, elapsed, paused, val_token_s, wall_left_s=math.inf):
+        """Take the clock after `step` steps: elapsed and paused (validation, saves) seconds, val_token_s, what a
+        validation token took (0 before the first validation), and wall_left_s, the seconds to this job's wall when the
+        budget spans jobs. Returns the stop reason, or None to go on."""
         self._measure(step, elapsed, paused)
         self.val_token_s = val_token_s or self.val_token_s
         if step >= self.max_steps:
             return "max_steps"
+        if wall_left_s < WALL_STEPS * self.step_s:
+            return "wall"
         reserve_s = 0.0
         if self.val_every_s > 0 and self.unit_s is not None:
             future_vals = max(math.ceil((self.val_until_s - elapsed) / self.val_every_s), 0)
@@ -272,4 +319,6 @@ class Clock:
             late_step_s = self.unit_s * self.accum
             self.sync_at = next_sync(step, self.last, self.step_s, self.log_every_s)
             self.end_s = min(self.budget_s, elapsed + reserve_s + (self.last - step + 1) * late_step_s)
+        if math.isfinite(wall_left_s):  # the next sync comes before the wall
+            self.sync_at = min(self.sync_at, step + max(1, int(wall_left_s / self.step_s) - WALL_STEPS))
         return None

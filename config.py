@@ -36,6 +36,10 @@ FRACTION = {"at_least": 0.0, "at_most": 1.0}
 LR = {"at_least": 0.0}  # finite; huge ones stay allowed: a diverging run is an experiment (tests make one)
 
 
+# --save_state auto: a budget this long (minutes) saves the training state; a shorter one (the event's 10 minutes)
+# writes only its checkpoint: a state is ~2.6x its bytes (weights and optimizer moments), seconds a save on NFS
+STATE_FROM_MIN = 30.0
+
 Auto = Literal["auto"]
 # the type a derived flag adds to its own: Auto as parsed (the flag not given), nothing once resolve() made it concrete
 Derived = TypeVar("Derived")
@@ -109,6 +113,24 @@ class Hyperparameters(Generic[Derived]):
         0.0, "periodic validation until the decay, planned into the budget; 0: final only", at_least=0.0
     )
     save_every_min: float = flag(2.5, "background checkpoint cadence; 0: only at start and end", at_least=0.0)
+    # --- runs longer than one job (resume.py) ---
+    resume: str = flag(
+        "auto",
+        "auto: go on from the training state beside --checkpoint_path when there is one (said either way); none: a "
+        "fresh run; or the checkpoint path (or .state folder) of the run to go on from",
+    )
+    save_state: bool | Derived = flag(
+        "auto",
+        f"with every save, the training state beside the checkpoint (CHECKPOINT.state/: weights, optimizer state, the "
+        f"loop's place), so a later job can --resume; auto: on with --budget_spans_jobs or a --time_limit_min of "
+        f"{STATE_FROM_MIN:g} or more",
+        bool,
+    )
+    budget_spans_jobs: bool = flag(
+        False,
+        "--time_limit_min is the run's budget over several jobs: a job whose SLURM wall comes first trains up to it, "
+        "saves the state and exits 0 (stop reason wall), and the next (--resume) goes on; off: the wall shrinks it",
+    )
     doc_aligned: bool = flag(False, "start every window at a BOS token (needs BOS-marked data)")
     token_dtype: str = flag(
         "uint16", "ids of headerless token files (llm.c's headered shards name their own)", choices=("uint16", "uint32")
@@ -257,6 +279,8 @@ def resolve(hp: Parsed, world: int) -> Resolved:
         "world_size": world,
         "model": "auto",  # a plan.make_plan choice: the ladder picks
         "attention": "auto",  # a kernels.choose_attention choice, on the device
+        "resume": "auto",  # resume.find's: the state beside the checkpoint, if there is one
+        "save_state": hp.budget_spans_jobs or hp.time_limit_min >= STATE_FROM_MIN,
     }  # the rest (shape, micro-batch, tokens per step, accumulation, peak rate, memory): None, the plan decides
     given = dataclasses.asdict(hp)
     values: dict[str, Any] = {k: meaning.get(k) if v == "auto" else v for k, v in given.items()}
@@ -378,6 +402,8 @@ def check_flags(hp, model_switches=None):
         raise ValueError(
             f"--warmup_frac {hp.warmup_frac} leaves no room for the decay: with wsd it must be at most 1 - --decay_frac"
         )
+    if hp.budget_spans_jobs and hp.save_state is False:
+        raise ValueError("--budget_spans_jobs needs the training state to go on from: drop --save_state false")
     if hp.model != "auto":  # checked even when the shape flags override it: a typo is said, not hidden
         shape_config(hp.model)
     if hp.device == "cuda" and not torch.cuda.is_available() and not hp.dry_run:

@@ -274,10 +274,11 @@ class BatchLoader(Prefetcher):
     arrays: 1-D token arrays (TokenData.train); spec: WindowSpec; deal: Deal; device and prefetch_tokens: the
     Prefetcher's. .epoch: the epoch of the last batch served (a rank whose share is used up starts the next, a new
     shuffle, instead of stopping); .bad_windows: windows dropped for an id >= vocab_size, counted by the reading
-    thread, so it runs ahead of the batches served by up to the prefetch.
+    thread, so it runs ahead of the batches served by up to the prefetch. .position: the windows.Where of the next
+    window (start: a resumed run's, served from there on).
     """
 
-    def __init__(self, arrays, spec, batch_size, deal, device="cpu", prefetch_tokens=None):
+    def __init__(self, arrays, spec, batch_size, deal, device="cpu", prefetch_tokens=None, start=None):
         self.arrays, self.spec, self.deal = arrays, spec, deal
         folder = pathlib.Path(arrays[0].filename).parent if arrays and is_file_map(arrays[0]) else None
         self.shards = Shards([len(array) for array in arrays], spec.seq_len, deal, folder)
@@ -285,10 +286,10 @@ class BatchLoader(Prefetcher):
         try:
             # the first usable range is read here, before the step-0 save: data in which no window can be formed
             # (--doc_aligned with no document long enough, every id >= vocab_size) is a ValueError now, not later
-            stream = self.reader.stream(self.shards.ranges)
+            stream = self.reader.stream(self.shards.ranges, start)
             windows = itertools.chain([next(stream)], stream)
             name = f"batch-loader-{deal.rank}"
-            super().__init__(windows, batch_size, spec.seq_len, device, prefetch_tokens, name)
+            super().__init__(windows, batch_size, spec.seq_len, device, prefetch_tokens, name, start)
         except BaseException:
             self.reader.close()
             raise

@@ -44,23 +44,32 @@ def training_deadline(hp, rank, device, world, say):
     return agreed.item()
 
 
-def budget_until(deadline, hp):
-    """Seconds of training from now: --time_limit_min, or less when the deadline comes first (at least one)."""
-    return max(min(hp.time_limit_min * 60.0, deadline - time.time()), 1.0)
+def budget_until(deadline, hp, trained_s=0.0):
+    """Seconds of training in all: --time_limit_min, or less when the deadline comes first (at least one more than
+    trained_s, what jobs before this one trained). With --budget_spans_jobs the deadline ends a job, not the budget."""
+    budget = hp.time_limit_min * 60.0
+    if hp.budget_spans_jobs:
+        return budget
+    return max(min(budget, trained_s + deadline - time.time()), trained_s + 1.0)
 
 
-def agreed_budget(run):
+def agreed_budget(run, trained_s=0.0):
     """The clock's budget, taken right before it starts: the work before it (checks, plan, model, step-0 save, warm
     collectives: tens of seconds at the event) comes out of the time to the deadline, never out of the reserve the
     final save needs. The smallest over ranks."""
-    budget = torch.tensor([budget_until(run.deadline, run.hp)], dtype=torch.float64, device=run.device)
+    budget = torch.tensor([budget_until(run.deadline, run.hp, trained_s)], dtype=torch.float64, device=run.device)
     if run.world > 1:
         dist.all_reduce(budget, op=dist.ReduceOp.MIN)
     budget_s = budget.item()
-    if budget_s < run.hp.time_limit_min * 60.0:
+    job_ends = f"the SLURM job ends in {run.deadline + run.hp.slurm_reserve_s - time.time():.0f} s"
+    if run.hp.budget_spans_jobs and math.isfinite(run.deadline):
         run.say(
-            f"budget: {budget_s:.0f} s, not {run.hp.time_limit_min:g} min: the SLURM job ends in "
-            f"{run.deadline + run.hp.slurm_reserve_s - time.time():.0f} s and the final save and exit keep "
-            f"{run.hp.slurm_reserve_s:g} s"
+            f"budget: {budget_s:.0f} s over jobs, {trained_s:.0f} s trained before this one; {job_ends}: this job "
+            f"trains up to {run.hp.slurm_reserve_s:g} s before it, saves the state and stops (wall)"
+        )
+    elif budget_s < run.hp.time_limit_min * 60.0:
+        run.say(
+            f"budget: {budget_s:.0f} s, not {run.hp.time_limit_min:g} min: {job_ends} and the final save and exit "
+            f"keep {run.hp.slurm_reserve_s:g} s"
         )
     return budget_s

@@ -19,7 +19,7 @@ from model import GPT, GPTConfig, get_model, model_config
 from headloss import compiled_head_loss, head_loss
 from data import BatchLoader, TokenData, load_token_data, val_batches
 from shards import Deal
-from windows import WindowSpec
+from windows import Where, WindowSpec
 from muon import build_optimizers
 from plan import RunPlan, agreed_matmul_rate, device_memory, make_plan
 from config import Resolved, resolve
@@ -28,7 +28,9 @@ from deadline import budget_until, training_deadline
 from kernels import AttentionCall, AttentionChoice, agreed_attention, choose_attention, point_triton_at_ptxas
 from kernels import triton_version
 from paths import PendingFile, check_outputs, lock_outputs, release_outputs, training_twin
-from report import MetricsFile
+from report import MetricsFile, carry_rows
+from resume import Resumed, StateWriter, check_state_room, load_resumed, mismatch, resumed_state, state_fingerprint
+from resume import state_root
 from ranks import (
     bf16_grad_hook,
     cap_compile_workers,
@@ -69,16 +71,21 @@ class Run:
     metrics: MetricsFile | None  # rank 0's locked metrics file and its writer thread
     stop_signals: StopSignals
     say: object
+    resumed: Resumed | None  # the training state this run goes on from (its weights and optimizers loaded)
+    state_writer: StateWriter | None  # with --save_state: the training state's saves
+    fingerprint: dict  # what a run resuming this one must share with it (resume.fingerprint)
 
 
-def save_step_zero(checkpointer, raw_model, config, rank, device, world):
-    """Rank 0 starts the step-0 checkpoint, written while the clock runs (checked_inputs made sure it fits; every
-    later save waits for it); a save that cannot start ends every rank together, before the clock."""
+def save_step_zero(checkpointer, raw_model, config, rank, device, world, resumed):
+    """Rank 0 starts the first checkpoint (of step 0, or of the step a resumed run goes on from), written while the
+    clock runs (checked_inputs made sure it fits; every later save waits for it); a save that cannot start ends every
+    rank together, before the clock."""
+    step, tokens = (resumed.meta["step"], resumed.meta["tokens"]) if resumed else (0, 0)
     error = None
     if rank == 0:
         try:
             checkpointer.save(
-                raw_model, {"config": config, "step": 0, "tokens": 0, "weights": "plain"}, background=True
+                raw_model, {"config": config, "step": step, "tokens": tokens, "weights": "plain"}, background=True
             )
         except Exception as e:
             error = sentence(e)
@@ -114,24 +121,32 @@ def launch(hp, model_switches, stop_signals, say):
             say(line)
     deadline = training_deadline(hp, rank, device, world, say)
     budget_s = budget_until(deadline, hp)  # first: the plan is made for the budget the run gets
-    inputs = checked_inputs(hp, model_switches, rank, world, device, capability, budget_s, say)
+    resumed = resumed_state(hp, rank, world, device, say)  # a run that had finished ends here, nothing written
+    inputs = checked_inputs(hp, model_switches, rank, world, device, capability, budget_s, say, resumed)
     hp, plan = inputs.hp, inputs.plan
     attention = agreed_attention(inputs.attention, device, world)
     for note in attention.notes:
         say(note)
     eager_runs = EagerRuns(say, fail_on_miss=hp.on_recompile == "fail")
     built = build_model(hp, plan, model_switches, device, world, eager_runs)
+    # a gloo group of the state's own: a background save's collectives never meet the training's
+    state_group = dist.new_group(backend="gloo") if world > 1 and (hp.save_state or resumed) else None
+    if resumed:
+        refused_together(load_resumed(resumed, built.raw_model, built.optimizers, state_group), device, world, rank)
     config = {**dataclasses.asdict(hp), "plan": dataclasses.asdict(plan), **dataclasses.asdict(built.raw_model.config)}
     checkpointer = Checkpointer(hp.checkpoint_path)
-    save_step_zero(checkpointer, built.raw_model, config, rank, device, world)
+    save_step_zero(checkpointer, built.raw_model, config, rank, device, world, resumed)
     say(versions(device, f"{attention.label}, op {attention.op}"))
     say(f"plan: {plan.line()}")
     say(
         f"{world} x {device.type} | compile {hp.compile} | autocast {hp.autocast} | grad reduce {hp.grad_reduce} | "
         f"budget {budget_s:.0f} s, max_steps {hp.max_steps}"
     )
-    # a new metrics file renamed in, never truncated: another name of the old one keeps its rows
-    metrics = MetricsFile(inputs.metrics.put_in_place()) if inputs.metrics is not None else None
+    metrics = None
+    if inputs.metrics is not None:  # a new file renamed in, never truncated: another name of the old one keeps its rows
+        if resumed:
+            carry_rows(hp.metrics_path, inputs.metrics.handle, resumed.meta["step"])
+        metrics = MetricsFile(inputs.metrics.put_in_place())
     if world > 1:
         warm_collectives(device)  # ends in a barrier: every rank starts its clock right after it
     return Run(
@@ -152,12 +167,16 @@ def launch(hp, model_switches, stop_signals, say):
         metrics=metrics,
         stop_signals=stop_signals,
         say=say,
+        resumed=resumed,
+        state_writer=StateWriter(hp.checkpoint_path, rank, state_group) if hp.save_state else None,
+        fingerprint=inputs.fingerprint,
     )
 
 
 class Inputs(NamedTuple):
     """What checked_inputs returns: checked and agreed across ranks, nothing written yet."""
 
+    fingerprint: dict  # what a run resuming this one must share with it (resume.fingerprint)
     hp: Resolved  # with symlinked output paths resolved
     data: TokenData
     val: list
@@ -167,9 +186,9 @@ class Inputs(NamedTuple):
     attention: AttentionChoice  # this rank's; launch agrees it across ranks
 
 
-def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s, say):
-    """Data, validation, paths, the plan, the attention backend (a forced one that fails its check is refused here)
-    and the loader, agreed across ranks; nothing written yet."""
+def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s, say, resumed=None):
+    """Data, validation, paths, the plan (a resumed run's is the one it was saved with), the attention backend (a
+    forced one that fails its check is refused here) and the loader, agreed across ranks; nothing written yet."""
     try:  # data and paths may differ per rank (a node's staged copy, one rank's unreadable file)
         data, val = check_inputs(hp, rank, world)
         hp = check_outputs(hp, say)
@@ -181,7 +200,13 @@ def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s
     if hp.val_file and hp.data_dir and (twin := training_twin(hp.val_file, hp.data_dir)):
         say(f"warning: --val_file {hp.val_file} holds the same tokens as training file {twin}: it is not held out")
     try:  # the plan's one collective comes first, so a failure below cannot pair with another rank's collective
-        plan = build_plan(hp, model_switches, device, world, budget_s, say)
+        plan = (
+            RunPlan(**resumed.meta["plan"]) if resumed else build_plan(hp, model_switches, device, world, budget_s, say)
+        )
+        model = dataclasses.asdict(model_config(model_dict(hp, plan, model_switches)))
+        fingerprint = state_fingerprint(hp, data.train, world, model)
+        if resumed and (why := mismatch(resumed.meta["fingerprint"], fingerprint)):
+            raise ValueError(f"--resume {resumed.folder}: {why}; resume with it, or start afresh with --resume none")
         dtype = torch.bfloat16 if hp.autocast == "bf16" else torch.float32
         head_dim = plan.n_embd // plan.n_head
         call = AttentionCall(plan.micro_batch, hp.seq_len, plan.n_head, head_dim, device, dtype, hp.compile)
@@ -193,15 +218,18 @@ def checked_inputs(hp, model_switches, rank, world, device, capability, budget_s
             plan.micro_batch,
             Deal(rank, world, seed=hp.seed),
             device=device,
+            start=Where(*resumed.meta["positions"][rank]) if resumed else None,
         )
         if rank == 0:  # each save writes a whole second file beside the last: a disk without room for both is said now
             check_room(hp.checkpoint_path, 4 * plan.n_params, "checkpoint_path")
+            if hp.save_state:  # a snapshot's bytes: the weights and the optimizer state, and the tail EMA's copy
+                check_state_room(state_root(hp.checkpoint_path), plan.snapshot_gib / 2 * 2**30 + 4 * plan.n_params)
         metrics = lock_outputs(hp, say) if rank == 0 else None
         error = None
     except Exception as e:
         error = sentence(e)
     refused_together(error, device, world, rank)
-    return Inputs(hp, data, val, plan, loader, metrics, attention)
+    return Inputs(fingerprint, hp, data, val, plan, loader, metrics, attention)
 
 
 def check_inputs(hp, rank, world):
@@ -318,16 +346,25 @@ class Model(NamedTuple):
     optimizers: list
 
 
+def model_dict(hp, plan, model_switches):
+    """model.py's config of this run, whole: today's defaults for every switch not given, however many are."""
+    shape = {k: getattr(plan, k) for k in ("n_layer", "n_head", "n_embd")}
+    return {
+        **dataclasses.asdict(GPTConfig()),
+        "vocab_size": hp.vocab_size,
+        "seq_len": hp.seq_len,
+        **shape,
+        **model_switches,
+    }
+
+
 def build_model(hp, plan, model_switches, device, world, eager_runs):
     """The model, compiled per block and DDP-wrapped as configured, its training loss and its optimizers."""
     if device.type == "cuda":
         allow_tf32_matmuls()
     torch.manual_seed(hp.seed)
-    shape = {k: getattr(plan, k) for k in ("n_layer", "n_head", "n_embd")}
-    # from a whole config: today's defaults for every switch not given, however many are (model.model_config)
-    config = {**dataclasses.asdict(GPTConfig()), "vocab_size": hp.vocab_size, "seq_len": hp.seq_len}
     with torch.device(device):  # built where it trains: no CPU init of 529M parameters and copy (on CPU: as before)
-        raw_model = get_model({**config, **shape, **model_switches})
+        raw_model = get_model(model_dict(hp, plan, model_switches))
     tied_head = raw_model.wte.weight if raw_model.config.tie_embeddings else None
     optimizers = build_optimizers(
         raw_model,

@@ -1,5 +1,5 @@
 """The prefetcher: endless (x, y) int64 batches of shape (batch_size, seq_len), y = x shifted by one, packed from a
-stream of (epoch, windows) by a daemon thread that keeps .depth batches ready.
+stream of (windows.Where, windows) by a daemon thread that keeps .depth batches ready.
 
 prefetch_tokens worth (default: PREFETCH_TOKENS on CUDA, where a storage stall on one rank holds every rank; 2
 batches elsewhere), in a fixed ring of host buffers, pinned on CUDA and copied with non_blocking=True; a slot is
@@ -15,7 +15,7 @@ from contextlib import nullcontext
 
 import torch
 
-from windows import DataChanged
+from windows import DataChanged, Where
 
 # Loader prefetch on CUDA, as a token budget. Event arithmetic: a B300 at ~40% of 2.25 PFLOP/s bf16 on a
 # ~1.5 GFLOP/token model trains ~600K tokens/s, so a 1 s storage stall on one rank is ~600K tokens, and one
@@ -24,11 +24,14 @@ PREFETCH_TOKENS = 1 << 21
 
 
 class Prefetcher:
-    """Batches of windows (k, seq_len + 1 arrays) from windows, an iterator of (epoch, windows) that the thread
-    consumes; .epoch is the epoch of the windows that completed the last batch served."""
+    """Batches of windows (k, seq_len + 1 arrays) from windows, an iterator of (Where, windows) that the thread
+    consumes; .epoch is the epoch of the windows that completed the last batch served, .position the Where of the
+    next window a batch would take (start, before any): where a resumed loader starts."""
 
-    def __init__(self, windows, batch_size, seq_len, device="cpu", prefetch_tokens=None, name="prefetch"):
-        self.batch_size, self.epoch, self._windows = batch_size, 0, windows
+    def __init__(self, windows, batch_size, seq_len, device="cpu", prefetch_tokens=None, name="prefetch", start=None):
+        self.batch_size, self._windows = batch_size, windows
+        self.position = start or Where(0)
+        self.epoch = self.position.epoch
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
         if self._pin and self.device.index is None:  # name the GPU: the loader thread must bind to it too
@@ -48,10 +51,11 @@ class Prefetcher:
         self._thread.start()
 
     def _fill(self):
-        """(epoch, ring slot) of each batch, filled on this thread."""
+        """(the Where after each batch, its ring slot), filled on this thread."""
         rows, slot = 0, -1
         ring = self._ring.numpy()
-        for epoch, windows in self._windows:
+        for where, windows in self._windows:
+            taken = where.first
             while len(windows):
                 if rows == 0:
                     slot = (slot + 1) % len(ring)
@@ -63,9 +67,9 @@ class Prefetcher:
                 # intra-op thread pool, which then competes with the training process for cores
                 x[rows : rows + take] = windows[:take, :-1]
                 y[rows : rows + take] = windows[:take, 1:]
-                rows, windows = rows + take, windows[take:]
+                rows, taken, windows = rows + take, taken + take, windows[take:]
                 if rows == self.batch_size:
-                    yield epoch, slot
+                    yield Where(where.epoch, where.ordinal, taken), slot
                     rows = 0
 
     def _produce(self):
@@ -103,7 +107,8 @@ class Prefetcher:
                 self._error = DataChanged(f"the {self._thread.name} thread stopped: {type(item).__name__}: {item}")
                 self._error.__cause__ = item
             raise self._error
-        self.epoch, slot = item
+        self.position, slot = item
+        self.epoch = self.position.epoch
         x, y = self._ring[slot]  # copied out: the slot is refilled once the next batch is taken
         x = x.to(self.device, non_blocking=self._pin, copy=True)
         y = y.to(self.device, non_blocking=self._pin, copy=True)

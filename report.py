@@ -152,6 +152,23 @@ def close_metrics(run):
         run.say(metrics_failure(run.hp.metrics_path, why))
 
 
+def carry_rows(path, handle, up_to_step):
+    """A resumed run's metrics start with the rows of the jobs before it, up to the step its state holds (a later row
+    is of steps it trains again) and without their summary rows (its own counts every job)."""
+    try:
+        with open(path) as old:
+            lines = old.read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a job killed mid-write
+            continue
+        if isinstance(row, dict) and not row.get("summary") and row.get("step", 0) <= up_to_step:
+            handle.write(line + "\n")
+
+
 def metrics_failure(path, why):
     return f"warning: cannot write {path} ({why}); metrics rows stop here"
 

@@ -173,6 +173,19 @@ class Guard:
             return True
         return False
 
+    def state_dict(self):
+        """What a resumed run's guard takes on: the LR cuts, the rollbacks so far and the loss it measures spikes from;
+        its snapshots are taken afresh, of the weights it resumes."""
+        names = ("drop_batch_factor", "halvings", "rollbacks", "smoothed", "best", "high_syncs", "last_snapshot_s")
+        return {name: getattr(self, name) for name in names} | {"trusted_loss": self.trusted.loss}
+
+    def load_state_dict(self, state, step, tokens):
+        """Go on at this step: the weights the guard was made with (resumed) are its trusted snapshot."""
+        self.trusted.step, self.trusted.tokens, self.trusted.loss = step, tokens, state["trusted_loss"]
+        for name, value in state.items():
+            if name != "trusted_loss":
+                setattr(self, name, value)
+
     def weights_of(self, step, tokens):
         """(step, tokens) the model's weights are from at this step of the loop: the trusted snapshot's when it was
         restored here and nothing trained since, else these."""

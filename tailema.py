@@ -39,6 +39,13 @@ class TailEMA:
                 torch._foreach_lerp_(self.average, self.params, weight)
         self.progress = progress
 
+    def state_dict(self):
+        """The window's place; the average itself is saved with the weights (resume.py), when there is one."""
+        return {"progress": self.progress, "from_step": self.from_step}
+
+    def load_state_dict(self, state, average):
+        self.progress, self.from_step, self.average = state["progress"], state["from_step"], average
+
     def reset(self):
         """A rollback restored older weights: the average of the ones the run walked back from is dropped."""
         self.average, self.progress, self.from_step = None, None, None

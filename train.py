@@ -38,6 +38,7 @@ from ranks import StopSignals, end_ranks, fail, failing_ranks, first_line, lost_
 from schedule import batch_lr_scale, schedule, set_lrs
 from streams import guard_log_streams
 from report import Logger, StepProfile, close_metrics, human_summary, process_age_s, summary_row
+from resume import loop_state, restore_loop
 
 
 def main(argv=None):
@@ -99,26 +100,6 @@ def evaluate(model, batches, device, amp):
     return (stats[0] / stats[1].clamp(min=1)).item()
 
 
-def make_clock(run, budget_s):
-    hp, plan = run.hp, run.plan
-    # periodic validation stops where the decay starts: the final one measures the end, and the decay runs unbroken
-    return Clock(
-        budget_s,
-        hp.max_steps,
-        plan.grad_accum_steps,
-        hp.log_every_s,
-        may_replan=hp.batch_tokens is None,
-        planned_step_s=plan.step_s,
-        micro_tokens=plan.micro_batch * hp.seq_len,
-        val_every_s=hp.val_every_min * 60,
-        val_until_s=budget_s * (1 - hp.decay_frac),
-        val_batches=len(run.val),
-        val_tokens=sum(y.numel() for _, y in run.val),
-        min_accum=plan.min_accum,
-        progress_by_steps=hp.progress_by == "steps",
-    )
-
-
 # steps longer than this look for a stop signal between micro-steps too (one all-reduce of a flag each, on several
 # ranks): a stop is then honoured within a micro-step, inside SLURM's 30 s between SIGTERM and SIGKILL
 STOP_CHECK_S = 5.0
@@ -134,7 +115,8 @@ class Trainer:
         self.run, self.hp = run, run.hp
         bf16 = self.hp.autocast == "bf16"
         self.amp = torch.autocast(run.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-        self.clock = clock or make_clock(run, agreed_budget(run))
+        self.trained_s = run.resumed.meta["trained_s"] if run.resumed else 0.0  # by the jobs before this one
+        self.clock = clock or Clock.for_run(run, agreed_budget(run, self.trained_s))
         self.log = log or Logger(run, self.clock)
         self.guard = guard or Guard(run.raw_model, run.optimizers, run.device, run.say)
         self.ema = ema or TailEMA(run.raw_model, self.hp.tail_ema, self.hp.tail_ema_horizon)
@@ -148,13 +130,19 @@ class Trainer:
         self.data_gone = None  # this rank's DataChanged, carried to every rank by the next host sync
         self.compile_fallback, self.compile_fallback_ranks = None, []  # the first failing rank's reason; every rank
         self.weights = "plain"  # what the final checkpoint holds: plain weights, or the tail EMA's blend
-        self.train_s, self.clock_start_unix, self.startup_s = 0.0, 0.0, None
+        self.train_s, self.clock_start_unix, self.startup_s = 0.0, 0.0, None  # train_s: every job's, this one's too
+        self.jobs = []  # the jobs before this one: {"train_s", "steps", "stop_reason"} each
+        self.resumed_from = None  # the loader's place when a step stopped between micro-steps: the next job's
+        if run.resumed:
+            restore_loop(self, run.resumed.meta, run.resumed.ema_average)
+        self.first_step = self.step  # this job's: it compiles
 
     def train(self):
         """The loop, then finish(); returns whether the final save succeeded."""
         gc.collect()
         gc.disable()  # a collection pause on one rank stalls all of them
-        t0 = time.perf_counter()  # the clock starts right before the first forward pass, on every rank together
+        # the clock starts right before the first forward pass, on every rank together (where earlier jobs left it)
+        t0 = time.perf_counter() - self.trained_s
         self.clock_start_unix, self.startup_s = time.time(), process_age_s()
         while True:
             if self.clock.due(self.step) and (stop := self.host_sync(time.perf_counter() - t0)):
@@ -179,12 +167,13 @@ class Trainer:
         says why)."""
         run, hp = self.run, self.hp
         self.progress, accum = self.clock.begin_step(self.step)
+        position = run.loader.position
         step_tokens = run.world * run.plan.micro_batch * hp.seq_len * accum
         self.lr_frac, momentum = schedule(self.progress, hp)
         run.raw_model.set_progress(self.progress)  # model.py's untie_at
         set_lrs(run.optimizers, hp, self.lr_frac, momentum, step_tokens, run.device.type, self.guard.lr_scale)
         try:
-            if self.step == 0 and hp.compile:
+            if self.step == self.first_step and hp.compile:
                 step_loss = self.first_compiled_step(accum)
             else:
                 step_loss = self.accumulate(accum, check_stop=run.world == 1 or self.clock.step_s > STOP_CHECK_S)
@@ -193,7 +182,7 @@ class Trainer:
             step_loss, self.stop_reason = None, "data"
         if step_loss is None:
             run.model.zero_grad(set_to_none=True)
-            self.stop_reason = self.stop_reason or "signal"
+            self.stop_reason, self.resumed_from = self.stop_reason or "signal", position
             return False
         for opt in run.optimizers:
             opt.step()
@@ -322,23 +311,27 @@ class Trainer:
         run = self.run
         data_rank = run.rank + 1 if self.data_gone else 0  # which rank's data is gone, if any: every rank stops with it
         signalled = float(run.stop_signals.received)
-        stats = torch.tensor([elapsed, self.paused, self.val_token_s, signalled, data_rank], device=run.device)
+        wall_left = run.deadline - time.time() if self.hp.budget_spans_jobs else math.inf
+        stats = [elapsed, self.paused, self.val_token_s, signalled, data_rank, -wall_left]  # all taken by MAX
+        stats = torch.tensor(stats, device=run.device)
         totals = self.loss_sum.clone()
         if run.world > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             dist.all_reduce(totals)  # sums: the row is the mean over every rank's counted steps
-        elapsed, paused_all, val_token_s_all, signalled, data_rank = stats.tolist()
+        elapsed, paused_all, val_token_s_all, signalled, data_rank, wall_left = stats.tolist()
         loss_total, counted = totals.tolist()
         # counted is 0 only when every rank's batches since the last sync were stand-ins: the data stop below
         if counted > 0 and not self.take_loss(loss_total / counted, elapsed):
             return "diverged"
-        stop = "signal" if signalled else self.clock.sync(self.step, elapsed, paused_all, val_token_s_all)
+        stop = "signal" if signalled else self.clock.sync(self.step, elapsed, paused_all, val_token_s_all, -wall_left)
         if data_rank:
             run.say(f"stopping: rank {int(data_rank) - 1} has no training data left to read (its stderr says why)")
             stop = "data"
         self.log.notes()
         if run.rank == 0:
             self.log.failed_save(wait=False)
+        if run.state_writer and (error := run.state_writer.poll()) and run.rank == 0:
+            run.say(f"warning: {error}; training goes on")
         if stop:
             return stop
         self.loss_sum.zero_()
@@ -365,11 +358,14 @@ class Trainer:
         """What the clock plans into a sync's pause: a rollback snapshot, a background save, a periodic validation."""
         run, hp = self.run, self.hp
         self.guard.maybe_snapshot(self.step, self.tokens, elapsed)
-        if run.rank == 0 and hp.save_every_min > 0 and elapsed - self.last_save >= hp.save_every_min * 60:
-            self.log.failed_save()
-            meta = self.log.meta(*self.guard.weights_of(self.step, self.tokens))
-            run.checkpointer.save(run.raw_model, meta, background=True)
+        if hp.save_every_min > 0 and elapsed - self.last_save >= hp.save_every_min * 60:
+            if run.rank == 0:
+                self.log.failed_save()
+                meta = self.log.meta(*self.guard.weights_of(self.step, self.tokens))
+                run.checkpointer.save(run.raw_model, meta, background=True)
             self.last_save = elapsed
+            if run.state_writer:  # every rank: its share of the tensors, its place in the data
+                self.save_state(elapsed, background=True)
         if val_batches := self.clock.validation_batches(elapsed, self.last_val):
             val_start = time.perf_counter()
             val_loss = evaluate(run.raw_model, run.val[:val_batches], run.device, self.amp)
@@ -388,9 +384,11 @@ class Trainer:
         The labels (weights, weights_step, the log's lines) say what the checkpoint on disk holds, on every path."""
         run = self.run
         diverged = self.stop_reason == "diverged"
+        if run.state_writer and not diverged:  # before the blend: the state a next job goes on from
+            self.save_state(self.train_s, background=False)
         if diverged:
             run.say(f"stopping: the loss diverged after {len(self.guard.rollbacks)} rollback(s)")
-        else:
+        elif self.stop_reason != "wall":  # a run that goes on in another job keeps its plain weights
             self.ema.update(self.progress, self.step)
             self.weights = self.ema.blend_in()
         if self.guard.restore_for_the_final_save(self.step, diverged=diverged):
@@ -404,6 +402,7 @@ class Trainer:
         val_loss = evaluate(run.raw_model, run.val[:val_batches], run.device, self.amp)
         self.log.emit({"step": step, "elapsed_s": round(self.train_s, 3), "tokens": tokens, "val_loss": val_loss})
         summary = {**summary_row(run, self.clock, self, val_loss, val_batches), "rollbacks": self.guard.rollbacks}
+        summary["jobs"] = [*self.jobs, self.job(self.train_s)]
         summary["weights_step"] = step  # below "steps" when the run ends on restored weights
         if not saved:  # the checkpoint on disk is an earlier save's (or none), not the weights validated
             held = run.checkpointer.on_disk or {}
@@ -412,6 +411,27 @@ class Trainer:
         self.log.close(self.train_s)
         run.say(human_summary(summary, self.hp))
         return saved
+
+    # ------------------------------------------------------------------------- the state a next job goes on from
+
+    def job(self, elapsed):
+        """This job so far, as the state and the summary count jobs."""
+        train_s = round(elapsed - self.trained_s, 3)
+        return {"train_s": train_s, "steps": self.step - self.first_step, "stop_reason": self.stop_reason}
+
+    def save_state(self, elapsed, background):
+        """Every rank's share of the training state (resume.StateWriter), at a sync or after the clock; weights that
+        are not finite are none to go on from (the final checkpoint takes the trusted snapshot instead)."""
+        run = self.run
+        if not all(bool(torch.isfinite(p).all()) for p in run.raw_model.parameters()):
+            run.say("warning: the weights are not finite: no training state saved of them")
+            return
+        names = [n for n, _ in run.raw_model.named_parameters() if n != "wte.weight"]  # TailEMA's scope
+        meta = loop_state(self, elapsed)
+        try:
+            run.state_writer.save(run.raw_model, run.optimizers, self.ema.average, names, meta, background)
+        except Exception as e:  # the state named before stays named
+            run.say(f"warning: the training state at step {self.step} was not saved ({first_line(e)})")
 
     def save_final(self, step, tokens):
         """Rank 0's final save; a failure is said (with what the checkpoint on disk holds instead) and returns False:

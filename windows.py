@@ -145,6 +145,15 @@ def doc_window_starts(bos, window, limit):
     return bos[node[node < len(bos)]]
 
 
+class Where(NamedTuple):
+    """A place in a rank's deal: the epoch, a range's ordinal in it, and a window's index among the range's usable
+    windows. What a loader has served is the Where of the next window it would serve."""
+
+    epoch: int
+    ordinal: int = 0
+    first: int = 0
+
+
 class WindowReader:
     """The usable windows of token ranges of the arrays (1-D token arrays, file maps read with pread) for one rank,
     which its messages name; close() closes the files it opened."""
@@ -173,19 +182,24 @@ class WindowReader:
         self._files[index] = open(fd, "rb")
         return self._files[index]
 
-    def stream(self, epoch_ranges):
-        """(epoch, windows) for each range that holds a usable window, epoch after epoch: epoch_ranges(epoch) gives
-        that epoch's (array index, start, end) token ranges. An epoch without a usable window is a ValueError when
-        none was ever served (data no window can be formed of) and DataChanged after (data that changed under the
-        run)."""
-        served = False
-        for epoch in itertools.count():
-            found, bad_before = False, self.bad_windows
-            for index, start, end in epoch_ranges(epoch):
-                windows = self.windows(index, start, end)
+    def stream(self, epoch_ranges, start=None):
+        """(Where, windows) for each range that holds a usable window, epoch after epoch: epoch_ranges(epoch) gives
+        that epoch's (array index, start, end) token ranges. From start (a Where: a resumed run's place in the deal),
+        or from the first. An epoch without a usable window is a ValueError when none was ever served (data no window
+        can be formed of) and DataChanged after (data that changed under the run)."""
+        start = start or Where(0)
+        resumed = (start.ordinal, start.first) != (0, 0)
+        served = resumed
+        for epoch in itertools.count(start.epoch):
+            found, bad_before = epoch == start.epoch and resumed, self.bad_windows
+            for ordinal, (index, begin, end) in enumerate(epoch_ranges(epoch)):
+                if epoch == start.epoch and ordinal < start.ordinal:
+                    continue  # read before the run was resumed
+                first = start.first if (epoch, ordinal) == (start.epoch, start.ordinal) else 0
+                windows = self.windows(index, begin, end)[first:]
                 if len(windows):
                     found = served = True
-                    yield epoch, windows
+                    yield Where(epoch, ordinal, first), windows
             if found:
                 continue
             share = f"rank {self.rank}'s share of the data"

@@ -4,8 +4,8 @@ head, Muon + AdamW) per variant, the variants interleaved round-robin so that a 
     python bench/step_cost.py                                   # l4w128, T 256, micro-batch 8, vocab 32000
     python bench/step_cost.py --variants "bigram_mult=5;backout=1" --reps 15
 
-Prints each variant's median and minimum step time and their ratios to the first variant's (the default before the record's bigram table, backout
-and value-embedding gate, unless given).
+Prints each variant's median and minimum step time and their ratios to the first variant's (the default before the
+record's bigram table, backout and value-embedding gate, unless given).
 """
 
 import argparse

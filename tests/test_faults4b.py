@@ -278,11 +278,14 @@ def test_each_metrics_row_is_the_mean_of_its_steps_through_replans_rollbacks_and
     model = get_model({**SHAPE, "n_layer": 1})
     guard = rollback.Guard(model, [], torch.device("cpu"), lambda message: None)
     ema = TailEMA(model, 0.0, 0.12)  # off, as by default
-    hp = types.SimpleNamespace(seq_len=16, save_every_min=0.0, lr_rule="none", autocast="none", profile=False)
+    hp = types.SimpleNamespace(
+        seq_len=16, save_every_min=0.0, lr_rule="none", autocast="none", profile=False, budget_spans_jobs=False
+    )
     stop_signals = types.SimpleNamespace(received=False)
     run = types.SimpleNamespace(
         rank=0, world=1, device=torch.device("cpu"), stop_signals=stop_signals, hp=hp, val=[], say=print
     )
+    run.resumed, run.state_writer = None, None
     run.plan, run.raw_model, run.attention = types.SimpleNamespace(micro_batch=2), model, None
     clock = Clock(60.0, 400, 1, 0.35, may_replan=True, planned_step_s=1.0)
     log, elapsed, losses, syncs = RowLog(), 0.0, [], []
@@ -335,7 +338,7 @@ def test_a_stand_in_batch_counts_in_neither_the_step_loss_nor_the_row(monkeypatc
     run = types.SimpleNamespace(
         model=model, world=2, rank=1, loader=GoneAfterOne((x, x.roll(-1, 1))), device=x.device, loss_fn=head_loss
     )
-    run.plan, run.attention = types.SimpleNamespace(micro_batch=2), None
+    run.plan, run.attention, run.resumed = types.SimpleNamespace(micro_batch=2), None, None
     run.hp = types.SimpleNamespace(seq_len=16, autocast="none", profile=False)
     trainer = train.Trainer(run, clock=object(), log=object(), guard=object(), ema=object())
     loss, counted = trainer.accumulate(2).tolist()
