@@ -16,6 +16,7 @@ import base64
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -24,6 +25,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ranks import leave_together
@@ -187,8 +189,8 @@ def load_state(folder, model, optimizers, ema_average, ema_names, group):
     state = _state(model, optimizers, ema_average, ema_names)
     try:
         dcp.load(state, checkpoint_id=folder, **_dcp_kwargs(group))
-    except Exception as e:
-        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    except (Exception, CheckpointException) as e:  # the latter a BaseException: every rank's failures, gathered
+        why = _first_line(e)
         raise ValueError(f"--resume: the state in {folder} cannot be read ({why}); start afresh with --resume none")
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -266,10 +268,14 @@ class StateWriter:
             dist.broadcast_object_list(names, src=0)
             folder = names[0]
         state = _state(model, optimizers, ema_average, ema_names)
-        if background:
-            self.pending = (dcp.async_save(state, checkpoint_id=folder, **_dcp_kwargs(self.group)), folder, meta)
-            return
-        dcp.save(state, checkpoint_id=folder, **_dcp_kwargs(self.group))
+        try:
+            if background:
+                self.pending = (dcp.async_save(state, checkpoint_id=folder, **_dcp_kwargs(self.group)), folder, meta)
+                return
+            dcp.save(state, checkpoint_id=folder, **_dcp_kwargs(self.group))
+        except (Exception, CheckpointException) as e:  # the latter a BaseException
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ValueError(f"the training state was not saved ({_first_line(e)})") from None
         self._complete(folder, meta)
 
     def _complete(self, folder, meta):
@@ -303,9 +309,19 @@ class StateWriter:
         try:
             future.result()
             self._complete(folder, meta)
-        except Exception as e:
-            self.error = f"a background training state save failed ({type(e).__name__}: {str(e)[:200]})"
+        except (Exception, CheckpointException) as e:
+            self.error = f"a background training state save failed ({_first_line(e)})"
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _first_line(error):
+    """A DCP error in a line: a CheckpointException's message holds each failing rank's traceback, whose error line
+    ("RuntimeError: ...") says what failed."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if isinstance(error, CheckpointException):
+        errors = [line for line in lines[1:] if re.match(r"[\w.]*(Error|Exception)\b", line)]
+        return errors[0][:200] if errors else f"CheckpointException: {lines[0][:200] if lines else ''}"
+    return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
 
 
 def _write_json(path, value):
