@@ -6,6 +6,8 @@
 #   DATA_DIR=/home/data STAGE_DATA=1 OUT_DIR=/home/$USER/runs sbatch submit_slurm.sh
 #   NCCL_SOCKET_IFNAME=ib0 sbatch submit_slurm.sh               # the interface the nodes reach each other on
 #   CPU=1 NPROC=2 DATA_DIR= sbatch --nodes=1 --gpus-per-node=0 submit_slurm.sh   # gloo test run, no GPUs
+#   REQUEUE=1 TIME_LIMIT_MIN=960 sbatch --requeue --signal=B:USR1@120 --time=4:00:00 submit_slurm.sh
+#                                                               # a 16-hour budget over 4-hour jobs (README: Longer runs)
 #
 # #SBATCH lines cannot read env vars, so nodes/GPUs/time/partition are overridden on the sbatch command
 # line (or SBATCH_PARTITION, SBATCH_TIMELIMIT, SBATCH_GPUS_PER_NODE). Everything else is an env var below;
@@ -90,11 +92,38 @@ if [[ -n "$DATA_DIR" ]]; then DATA_FLAGS=(--data_dir "$DATA_DIR"); fi
 # --cpu-bind=none: one task per node holds all ranks, so SLURM must not pin it to a single core.
 # --kill-on-bad-exit: a node whose torchrun fails ends the step on every node now, not at a collective timeout or
 # the wall; the wrapper names that node in one line.
+# REQUEUE=1: the budget spans jobs. Each job trains up to its wall (less --slurm_reserve_s), saves the training state
+# beside the checkpoint and exits; this script then requeues the job (the same id, so the same OUT_DIR), and the
+# next run of it goes on from the state (--resume auto), until the run ends on its budget. USR1 (sbatch
+# --signal=B:USR1@SECONDS) stops training early, for a wall that comes sooner than SLURM_JOB_END_TIME said.
+SPAN_FLAGS=()
+if [[ "${REQUEUE:-0}" == 1 ]]; then SPAN_FLAGS=(--budget_spans_jobs); fi
+NEAR_WALL=0
 srun --ntasks-per-node=1 --cpu-bind=none --kill-on-bad-exit=1 --export=ALL \
     bash -c 'torchrun "$@"; rc=$?; trap "" PIPE; line="node $(hostname): torchrun exited $rc"
         echo "$line" 2>/dev/null || echo "$line" >&2; exit $rc' node \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC" \
-    --rdzv_backend=c10d --rdzv_endpoint="$HEAD:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
+    --rdzv_backend=c10d --rdzv_endpoint="$HEAD:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \
     --rdzv_conf=join_timeout="$RDZV_TIMEOUT" \
     "$TRAIN_SCRIPT" "${DATA_FLAGS[@]}" --checkpoint_path "$CHECKPOINT_PATH" \
-    --time_limit_min "$TIME_LIMIT_MIN" "${DEVICE_FLAGS[@]}" "$@"
+    --time_limit_min "$TIME_LIMIT_MIN" "${DEVICE_FLAGS[@]}" "${SPAN_FLAGS[@]}" "$@" &
+STEP=$!
+# bash runs a trap only between commands: wait returns on a signal, and is waited again for the step's exit code
+trap 'NEAR_WALL=1; say "USR1: the wall is near; the ranks stop, save and exit"; kill -TERM $STEP 2>/dev/null' USR1
+trap 'kill -TERM $STEP 2>/dev/null' TERM
+while true; do
+    wait $STEP && STATUS=0 || STATUS=$?
+    kill -0 $STEP 2>/dev/null || break
+done
+if [[ "${REQUEUE:-0}" == 1 && $STATUS == 0 ]]; then
+    METRICS=${METRICS_PATH:-$(dirname "$CHECKPOINT_PATH")/metrics.jsonl}
+    REASON=$(python3 -c 'import json, sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1]).get("stop_reason"))' \
+        "$METRICS" 2>/dev/null || echo none)
+    if [[ $REASON == wall || ($REASON == signal && $NEAR_WALL == 1) ]]; then
+        say "job $SLURM_JOB_ID (run ${SLURM_RESTART_COUNT:-0}): stopped for its wall; requeued to go on from the state"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        say "job $SLURM_JOB_ID: the run ended ($REASON); not requeued"
+    fi
+fi
+exit $STATUS

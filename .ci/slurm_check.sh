@@ -26,3 +26,21 @@ submit DATA_DIR="$DATA_DIR" STAGE_DATA=1 OUT_DIR="$CI_DIR/out" \
     sbatch --wait --nodes=1 --gpus-per-node=0 --time=4 --output="$CI_DIR/job-%j.out" submit_slurm.sh
 say "job finished"
 check_checkpoint "$CI_DIR/out/checkpoint.pt"
+
+# A budget over jobs (submit_slurm.sh's REQUEUE=1): a one-minute wall for a budget it cannot hold. Each run of the job
+# trains up to its wall less the reserve, saves the state, and requeues the job; the next goes on from the state, until
+# the run ends on its budget. --open-mode=append keeps every run's lines in the one log.
+TRAIN_FLAGS="--n_layer 1 --n_head 2 --n_embd 32 --seq_len 32 --vocab_size 256 --batch_size 2 --val_tokens 2048 \
+--slurm_reserve_s 20 --save_every_min 0.1" TIME_LIMIT_MIN=0.8 submit REQUEUE=1 DATA_DIR= OUT_DIR="$CI_DIR/spans" \
+    sbatch --wait --requeue --open-mode=append --nodes=1 --gpus-per-node=0 --time=1 --output="$CI_DIR/spans-%j.out" \
+    submit_slurm.sh
+python3 - "$CI_DIR/spans/metrics.jsonl" <<'PY'
+import json, sys
+summary = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+reasons = [job["stop_reason"] for job in summary["jobs"]]
+assert len(reasons) >= 2 and set(reasons[:-1]) == {"wall"} and reasons[-1] == "time_limit", reasons
+assert summary["stop_reason"] == "time_limit" and summary["final_lr_frac"] <= 0.15, summary
+print(f"slurm_check: the budget over {len(reasons)} runs of one job: {reasons}, {summary['train_s']} s trained")
+PY
+say "requeued job finished"
+check_checkpoint "$CI_DIR/spans/checkpoint.pt"
