@@ -721,9 +721,9 @@ def test_the_sqrt_lr_rule_scales_only_a_batch_above_the_recipes():
 
 @pytest.mark.slow
 def test_a_cold_compile_of_over_a_third_of_the_budget_still_runs_the_whole_schedule(tmp_path):
-    """Issue 32's command with an empty inductor cache, its first step held to >= 40% of the budget whatever this
-    machine's compile takes (17-30 s here): the steps after it run the stable phase at LR 1, then the decay to the
-    floor, and learn (the bug's run, frozen at the floor from step 2, scored 6.82 on this chain, ln 1024 = 6.93)."""
+    """A compiled one-minute run with an empty inductor cache, its first step held to >= 40% of the budget whatever
+    this machine's compile takes (17-30 s here): the steps after it run the stable phase at LR 1, then the decay to
+    the floor, and learn (a run frozen at the floor from step 2 scores 6.82 on this chain, ln 1024 = 6.93)."""
     args = [*SHAPE, "--compile", "--seq_len", "64", "--batch_size", "4", "--micro_batch", "4"]
     args += ["--time_limit_min", "1", "--log_every_s", "0", "--save_every_min", "0"]
     env = {**child_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -737,7 +737,7 @@ def test_a_cold_compile_of_over_a_third_of_the_budget_still_runs_the_whole_sched
     proc = subprocess.run([sys.executable, "-c", held], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    assert summary["compile_s"] > summary["budget_s"] / 3, summary  # the case item 1 is about
+    assert summary["compile_s"] > summary["budget_s"] / 3, summary  # the case this test is about
     start, budget = summary["compile_s"], summary["budget_s"]
     stable_share = 1 - config.Hyperparameters().decay_frac - 0.05  # the default schedule's stable phase, less a margin
     stable = [r for r in rows if r["step"] >= 1 and r["elapsed_s"] < start + stable_share * (budget - start)]
