@@ -1,8 +1,11 @@
-"""Fixtures and helpers shared by the test modules (no test module imports another)."""
+"""Fixtures and helpers shared by the test modules (no test module imports another): the event's plan inputs, token
+folders, train.py as a subprocess (plain, patched, on several ranks), metrics files, mounts, gloo groups."""
 
+import contextlib
 import datetime
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,6 +61,14 @@ def token_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tokens")
     write_synthetic(folder, 2 << 17, chunk_tokens=1 << 17, vocab_size=VOCAB, n_states=512)
     return folder
+
+
+@pytest.fixture
+def token_copy(tmp_path, token_dir):
+    """A copy of token_dir's files in tmp_path/data, for a test that links to them, changes them or guards them."""
+    data = tmp_path / "data"
+    shutil.copytree(token_dir, data)
+    return data
 
 
 def train_tokenizer(folder, sentences, vocab_size):
@@ -140,18 +151,31 @@ def run_train(args, cwd, nproc=1, timeout=300, expect_rc=0):
     return proc, wall
 
 
-def patched_train(tmp_path, patch, args):
-    """train.main(args) in a child process after `patch` (Python run first, with checkpoint, launch and train
-    imported); returns (process, unix time right before it started)."""
+def patched_train(tmp_path, patch, args, env=None, nproc=1):
+    """train.main(args) in a child process after `patch` (Python run first, with os, time, checkpoint, launch and
+    train imported), with env's variables added to child_env()'s; nproc > 1: in each of nproc torchrun ranks (a rank
+    reads its own from os.environ["RANK"]). Returns (process, unix time right before it started)."""
     code = (
-        f"import sys, time; sys.path.insert(0, {str(TRAIN.parent)!r}); import checkpoint, launch, train\n"
+        f"import os, sys, time; sys.path.insert(0, {str(TRAIN.parent)!r}); import checkpoint, launch, train\n"
         f"{patch}\ntrain.main({args!r})"
     )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = [*torchrun, "--no-python"] if nproc > 1 else []
     started = time.time()
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300
+        [*launcher, sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**child_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return proc, started
+
+
+def synthetic_time_run(tmp_path, extra, budget_min=0.3):
+    """The flags of a tiny run on the built-in synthetic data, keyed to a budget of budget_min minutes."""
+    return ["--checkpoint_path", str(tmp_path / "checkpoint.pt"), *TINY, "--time_limit_min", str(budget_min), *extra]
 
 
 def read_metrics(path):
@@ -188,6 +212,35 @@ def step_seconds(rows):
 def on_tokens(token_dir):
     """The flags that train on the token_dir fixture's files."""
     return ["--data_dir", str(token_dir), "--vocab_size", str(VOCAB)]
+
+
+# ----------------------------------------------------------------------------- mounts (root only: else a skip)
+
+
+@contextlib.contextmanager
+def mounted(folder, *how):
+    """`mount HOW folder` (the folder made first) for the with block, unmounted after it; the test is skipped where
+    this machine cannot mount (mounting needs root)."""
+    folder.mkdir(exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here")
+    done = subprocess.run(["mount", *how, str(folder)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount here (needs root): {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def tmpfs(folder, size):
+    """A tmpfs of `size` (as mount reads it: 256k, 2M) at folder: a disk that fills up."""
+    return mounted(folder, "-t", "tmpfs", "-o", f"size={size}", "tmpfs")
+
+
+def bind_mount(source, folder):
+    """The folder source seen again at folder: a second path to the same files that resolving does not undo."""
+    return mounted(folder, "--bind", str(source))
 
 
 # ----------------------------------------------------------------------------- loader windows

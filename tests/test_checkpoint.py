@@ -1,9 +1,9 @@
-"""Tests for checkpoint.py: a failed or refused save keeps the previous file and leaves nothing behind."""
+"""Tests for checkpoint.py: a failed or refused save keeps the previous file and leaves nothing behind; the room a run
+asks for before its first save, and the longest file name a save takes."""
 
 import errno
 import os
 import shutil
-import subprocess
 import threading
 
 import pytest
@@ -11,6 +11,7 @@ import torch
 
 import checkpoint
 from checkpoint import Checkpointer, CheckpointError, check_writable, save_checkpoint, unique_sibling
+from conftest import tmpfs
 
 torch.set_num_threads(1)
 
@@ -29,19 +30,9 @@ def assert_only(folder, *names):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 2 MiB tmpfs: a disk that fills up; needs root and mount."""
-    mount = shutil.which("mount")
-    if os.geteuid() != 0 or mount is None:
-        pytest.skip("mounting a tmpfs needs root and the mount command")
-    folder = tmp_path / "small"
-    folder.mkdir()
-    proc = subprocess.run(
-        [mount, "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(folder)], capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"mount -t tmpfs failed here: {proc.stderr.strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
+    """A 2 MiB tmpfs: a disk that fills up."""
+    with tmpfs(tmp_path / "small", "2M") as folder:
+        yield folder
 
 
 def test_full_disk_keeps_the_previous_checkpoint_and_no_tmp(small_tmpfs):
@@ -180,3 +171,42 @@ def test_background_failure_is_reported_once_without_a_traceback(tmp_path, monke
     assert "at step 6: weight holds NaN or inf" in saver.wait()
     assert saved_step(path) == 1 and saver.failures == 4
     assert_only(tmp_path, "ck.pt")
+
+
+# --------------------------------------------------------------------- the room a save needs, and the names it can take
+
+
+def test_the_room_asked_for_is_two_files_less_what_replacing_the_one_there_frees(tmp_path, monkeypatch):
+    """A save writes a whole file beside the one it replaces: with no file at the path, the step-0 save and the next
+    need two files' room; a file there of one's size, replaced by the step-0 save, gives its room back; one that
+    another name keeps (a hard link) gives nothing back."""
+    size = 1 << 20
+    need = size + checkpoint.SAVE_OVERHEAD
+    free = int(1.5 * need)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(1 << 40, 0, free))
+    path = tmp_path / "ck.pt"
+    with pytest.raises(ValueError) as refused:
+        checkpoint.check_room(str(path), size, "checkpoint_path")
+    mib = need / 2**20
+    assert str(refused.value) == (
+        f"--checkpoint_path {path}: each save writes a whole {mib:,.1f} MiB checkpoint beside the one it replaces, so "
+        f"the run needs {2 * mib:,.1f} MiB free in {tmp_path}, and it has {1.5 * mib:,.1f} MiB; free some room or "
+        f"point --checkpoint_path at another volume"
+    )
+    path.write_bytes(b"\1" * need)  # a previous run's checkpoint of this size: the step-0 save frees it
+    checkpoint.check_room(str(path), size, "checkpoint_path")
+    os.link(path, tmp_path / "snapshot.pt")  # kept by another name: replacing it frees nothing
+    with pytest.raises(ValueError, match=r"another name \(a hard link\) and replacing it frees nothing"):
+        checkpoint.check_room(str(path), size, "checkpoint_path")
+
+
+def test_a_checkpoint_name_at_the_file_system_limit_saves_and_one_past_it_is_one_sentence(tmp_path):
+    import checkpoint
+
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    longest = tmp_path / ("c" * (limit - 3) + ".pt")  # legal; its temporary sibling is cut to fit
+    checkpoint.check_writable(str(longest), "checkpoint_path")
+    checkpoint.Checkpointer(str(longest)).save(torch.nn.Linear(2, 2), {"step": 1}, background=False)
+    assert [p.name for p in tmp_path.iterdir()] == [longest.name]
+    with pytest.raises(ValueError, match=f"--checkpoint_path names a file of {limit + 1} bytes, longer than the"):
+        checkpoint.check_writable(str(tmp_path / ("c" * (limit + 1))), "checkpoint_path")

@@ -1,8 +1,16 @@
-"""The loop's clock, driven by a fake clock through the same calls the loop makes (due, sync, begin_step)."""
+"""The loop's clock, driven by a fake clock through the same calls the loop makes (due, sync, begin_step), and with
+the plan at every step cap; end to end in the slow tier: whatever takes the time (periodic validation, a stalled
+process, a cap of one or two steps), the schedule reaches the floor at the last step, inside the budget."""
+
+import re
+import signal
+import subprocess
+import time
 
 import pytest
 
 import clock as C
+from conftest import FLOOR, child_env, command, first_row, read_metrics, run_train, step_seconds, synthetic_time_run
 
 
 def test_last_step_fills_the_budget_and_the_planned_last_step_always_starts_inside_it():
@@ -224,3 +232,95 @@ def test_a_first_step_past_the_budget_that_was_one_slow_step_gets_no_second_one(
     clock = C.Clock(60.0, 10**6, 1, 1.0, may_replan=True, planned_step_s=10.0)
     steps, _, end, _, _ = simulate(clock, 70.0)
     assert (steps, end) == (1, 70.0) and not clock.notes
+
+
+# ------------------------------------------------------------------------- a tight cap: the plan and the clock together
+
+
+def clock_run(plan, budget_s, max_steps, speed):
+    """The clock driven through a run of this plan on a device `speed` x the forecast: (steps, end seconds)."""
+    import clock as C
+
+    clock = C.Clock(
+        budget_s,
+        max_steps,
+        plan.grad_accum_steps,
+        1.0,
+        may_replan=True,
+        planned_step_s=plan.step_s,
+        min_accum=plan.min_accum,
+    )
+    unit_s, step, elapsed = plan.step_s / plan.grad_accum_steps / speed, 0, 0.0
+    while not (clock.due(step) and clock.sync(step, elapsed, 0.0, 0.0)):
+        elapsed += unit_s * clock.begin_step(step)[1]
+        step += 1
+    return step, elapsed
+
+
+@pytest.mark.parametrize("budget_s", [60.0, 600.0])
+def test_every_cap_plans_steps_inside_the_budget_and_the_clock_keeps_them_under_the_cap(event_plan, budget_s):
+    import clock as C
+
+    for max_steps in (1, 2, 3, 5, 10, 20, 44, 45, 60, 500):
+        plan = event_plan(model="l16w1024", budget_s=budget_s, max_steps=max_steps)[0]
+        assert 1 <= plan.steps <= max(1, C.STEP_HEADROOM * max_steps) and plan.tokens > 0, max_steps
+        assert 0 < plan.train_s <= budget_s and not re.search(r"[\s(~]-\d", plan.line()), max_steps
+        for speed in (1.0, 2.0):
+            steps, end = clock_run(plan, budget_s, max_steps, speed)
+            assert steps <= max_steps and end <= budget_s + plan.step_s / speed, (max_steps, speed, end)
+
+
+# -------------------------------------------------------- end to end: the schedule ends at the floor, inside the budget
+
+
+@pytest.mark.slow
+def test_periodic_validation_is_planned_so_the_decay_still_finishes(tmp_path):
+    budget = 0.3 * 60
+    args = synthetic_time_run(
+        tmp_path,
+        ["--val_tokens", "131072", "--val_eval_tokens", "131072", "--val_every_min", "0.05", "--decay_frac", "0.4"],
+    )  # periodic validation stops where the decay starts: 0.4 leaves 60% of the 18 s for it
+    run_train(args, tmp_path, timeout=180)
+    rows, val_rows, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(val_rows) >= 3 and summary["stop_reason"] == "time_limit"  # periodic ones (until the decay) + final
+    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR
+    assert 0.8 * budget < summary["train_s"] <= budget + step_seconds(rows) + 1.0
+
+
+@pytest.mark.slow
+def test_a_frozen_process_is_logged_as_a_stall_and_the_decay_still_finishes(tmp_path):
+    budget = 0.3 * 60
+    proc = subprocess.Popen(
+        command(synthetic_time_run(tmp_path, ["--val_tokens", "8192"]), 1),
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first_row(proc, tmp_path / "metrics.jsonl")
+        time.sleep(4)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(3)
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "stall:" in out
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR and summary["stop_reason"] == "time_limit"
+    assert summary["train_s"] <= budget + step_seconds(rows) + 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_steps", [1, 2])
+def test_too_few_steps_for_a_schedule_are_said_and_the_last_step_runs_at_the_floor(tmp_path, max_steps):
+    # --decay_frac 0.4: the second of two steps (progress 0.5) is still in the stable phase
+    extra = ["--max_steps", str(max_steps), "--val_tokens", "4096", "--decay_frac", "0.4"]
+    proc, _ = run_train(synthetic_time_run(tmp_path, extra, budget_min=0.1), tmp_path, timeout=180)
+    assert "too few to warm up, hold and decay" in proc.stdout
+    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["steps"] == max_steps and summary["final_lr_frac"] == rows[-1]["lr_frac"] == FLOOR
+    assert rows[0]["lr_frac"] == (FLOOR if max_steps == 1 else 1.0)  # two steps: one at the full LR, then the floor

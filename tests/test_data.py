@@ -1,5 +1,6 @@
 """Tests for data.py and the loader's parts (shards.py, windows.py, prefetch.py), synthetic.py and data_cli.py: file
-checks, the deal, rank-disjoint shuffled batches, validation split, synthetic entropy, CLI."""
+checks, the deal, rank-disjoint shuffled batches, validation split, synthetic entropy, the CLI (its bad counts and
+targets one sentence and exit 2, a full disk leaving no partial chunk)."""
 
 import re
 import subprocess
@@ -17,7 +18,7 @@ from data import BatchLoader, check_token_files, find_token_files, load_token_da
 from shards import Deal, Shards, deal_blocks, staged_blocks
 from synthetic import synthetic_entropy_nats, synthetic_tokens, write_synthetic
 from windows import BOS_ID, WindowReader, WindowSpec, doc_window_starts, token_layout
-from conftest import epoch0_windows, full_windows
+from conftest import epoch0_windows, full_windows, tmpfs
 
 torch.set_num_threads(1)
 
@@ -510,3 +511,52 @@ def test_cli_synth_check_bench(tmp_path, capsys):
         (tmp_path / "chunk_0003.bin").write_bytes(b"\0" * 3001)
         data_cli.main(["check", str(tmp_path)])
     assert exit_info.value.code == 2 and re.search("error: .*odd size", capsys.readouterr().err)
+
+
+def data_cli_run(argv, capsys):
+    import data_cli
+
+    try:
+        data_cli.main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code, capsys.readouterr().err
+    return 0, capsys.readouterr().err
+
+
+DATA_CLI_CASES = {
+    "tokens 0": (["synth", "OUT", "--tokens", "0"], "--tokens: '0' is not a whole number"),
+    "tokens nan": (["synth", "OUT", "--tokens", "nan"], "--tokens: 'nan' is not a whole number"),
+    "tokens inf": (["synth", "OUT", "--tokens", "inf"], "--tokens: 'inf' is not a whole number"),
+    "tokens 1.5": (["synth", "OUT", "--tokens", "1.5"], "--tokens: '1.5' is not a whole number"),
+    "chunk_tokens 0": (["synth", "OUT", "--tokens", "1e4", "--chunk_tokens", "0"], "--chunk_tokens"),
+    "doc_len 0": (["synth", "OUT", "--tokens", "1e4", "--doc_len", "0"], "--doc_len"),
+    "n_states above vocab": (["synth", "OUT", "--tokens", "1e4", "--vocab_size", "100"], "n_states <= vocab_size"),
+    "vocab 1e9": (["synth", "OUT", "--tokens", "1e4", "--vocab_size", "1e9"], "at most 65536"),
+    "seed -1": (["synth", "OUT", "--tokens", "1e4", "--seed", "-1"], "--seed"),
+    "check seq_len 0": (["check", "DATA", "--seq_len", "0"], "--seq_len"),
+    "check seq_len nan": (["check", "DATA", "--seq_len", "nan"], "--seq_len"),
+    "bench batches 0": (["bench", "DATA", "--batches", "0"], "--batches"),
+    "bench batch_size -1": (["bench", "DATA", "--batch_size", "-1"], "--batch_size"),
+    "synth into a file": (["synth", "DATA/chunk_0001.bin", "--tokens", "1e4"], "is a file, not a folder"),
+    "synth over existing chunks": (["synth", "DATA", "--tokens", "1e4"], "exists; synth never replaces token files"),
+}
+
+
+@pytest.mark.parametrize("case", DATA_CLI_CASES.values(), ids=DATA_CLI_CASES.keys())
+def test_data_cli_bad_counts_and_targets_are_one_sentence_and_exit_2(tmp_path, token_copy, capsys, case):
+    argv, words = case
+    data = token_copy
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    argv = [a.replace("OUT", str(tmp_path / "out")).replace("DATA", str(data)) for a in argv]
+    code, err = data_cli_run(argv, capsys)
+    assert code == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before and not (tmp_path / "out").exists()
+
+
+def test_synth_on_a_full_disk_leaves_no_partial_chunk(tmp_path, capsys):
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        code, err = data_cli_run(["synth", disk / "out", "--tokens", "3e5", "--chunk_tokens", "5e4"], capsys)
+        assert code == 2 and "No space left on device" in err and err.count("\n") == 1, err
+        written = sorted(p.name for p in (disk / "out").iterdir())
+        assert written and all(p.startswith("chunk_") for p in written)  # whole chunks only, no temporary file
+        assert all((disk / "out" / p).stat().st_size == 100_000 for p in written)

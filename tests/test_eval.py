@@ -1,4 +1,4 @@
-"""eval.py on bad inputs: every bad checkpoint or flag is one sentence on stderr and exit status 2."""
+"""eval.py on bad inputs: every bad checkpoint, flag or HellaSwag row is one sentence on stderr and exit status 2."""
 
 import json
 import os
@@ -249,3 +249,28 @@ def test_a_damaged_checkpoint_warns_nothing_beside_its_sentence(tmp_path):
         with pytest.raises(ValueError, match=r"\(128 bytes\) is not a readable torch checkpoint"):
             eval_py.load_checkpoint(bad)
     assert not caught, [str(w.message) for w in caught]
+
+
+# ----------------------------------------------------------------------------- HellaSwag rows
+
+
+HELLASWAG_ROWS = {
+    "ctx_b null": {"ctx_a": "A man", "ctx_b": None, "endings": ["runs.", "sits."], "label": 0},
+    "ctx_b missing": {"ctx_a": "A man", "endings": ["runs.", "sits."], "label": 0},
+    "ctx null": {"ctx": None, "endings": ["runs.", "sits."], "label": 0},
+    "an ending null": {"ctx": "A man", "endings": ["runs.", None], "label": 0},
+    "label null": {"ctx": "A man", "endings": ["runs.", "sits."], "label": None},
+    "endings missing": {"ctx": "A man", "label": 0},
+}
+
+
+@pytest.mark.parametrize("row", HELLASWAG_ROWS.values(), ids=HELLASWAG_ROWS.keys())
+def test_a_hellaswag_row_missing_a_field_is_one_sentence_naming_the_row(tmp_path, row):
+    import eval as E
+
+    good = {"ctx": "A woman", "endings": ["walks.", "talks."], "label": 1}
+    path = tmp_path / "hs.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"line 2 is not an example") as e:
+        E.load_hellaswag(str(path))
+    assert "None" not in str(e.value).replace(str(path), "")

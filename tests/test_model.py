@@ -485,6 +485,14 @@ def test_bad_config_raises_value_error_naming_the_key(overrides, flag):
         build(**overrides)
 
 
+def test_model_switches_out_of_range_are_one_sentence():
+    from model import get_model
+
+    for bad in ({"mlp_ratio": 0}, {"rope_base": 1.0}, {"logit_softcap": -1.0}, {"logit_softcap": float("nan")}):
+        with pytest.raises(ValueError, match="mlp_ratio must be"):
+            get_model({"vocab_size": 64, "n_layer": 1, "n_head": 1, "n_embd": 8, **bad})
+
+
 # ---- accounting for train.py ----
 
 

@@ -105,7 +105,7 @@ def test_off_is_plain_muon_exactly():
 
 
 def test_the_flag_reaches_the_muon_group():
-    assert config.Hyperparameters().normuon_beta2 == 0.95  # the record's, adopted (BENCHMARKS.md, "Issue 45")
+    assert config.Hyperparameters().normuon_beta2 == 0.95  # the record's, adopted (BENCHMARKS.md, "NorMuon")
     plan = SimpleNamespace(n_layer=2, n_head=2, n_embd=32)
     for beta2 in (0.95, 0.0):  # the default, and plain Muon
         hp = config.Hyperparameters(normuon_beta2=beta2, device="cpu", compile=False, vocab_size=64, seq_len=16)

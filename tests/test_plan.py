@@ -185,13 +185,13 @@ def test_ddps_buckets_are_counted_with_several_ranks_only(event_plan):
 
 
 def test_the_event_plan_counts_transients_and_says_where_the_snapshots_go(event_plan):
-    """At the event's plan (micro 19, 32 ranks), the review's parts on top of state and activations: DDP's fp32
+    """At the event's plan (micro 19, 32 ranks), the parts on top of state and activations: DDP's fp32
     gradient buckets, the head's chunk buffers, the tables' per-micro-step gradients, the hook's copies of the bigram
     bucket, Muon's gather."""
     plan, _ = event_plan(model="l16w1024")
     costs = P.shape_costs(P.shape_config("l16w1024"), 32000, 1024)
     tokens = plan.micro_batch * 1024
-    before = costs["params"] * 16 + tokens * (34 * 16 + 2 * costs["n_tables"]) * 1024 * 2  # the forecast until now
+    before = costs["params"] * 16 + tokens * (34 * 16 + 2 * costs["n_tables"]) * 1024 * 2  # state and activations alone
     rows = P.chunk_rows(tokens, 32000, 512 << 20)
     head = 4 * rows * 32000 * 4 + (32000 + tokens) * 1024 * 4
     parts = 4 * costs["params"] + head + 4 * costs["table_params"] + 6 * 163_840_000 + 2 * costs["muon_params"]
@@ -202,3 +202,26 @@ def test_the_event_plan_counts_transients_and_says_where_the_snapshots_go(event_
     tight, _ = event_plan(model="l16w1024", memory_bytes=plan.memory_gib * 2**30 + plan.snapshot_gib * 2**30)
     assert tight.fits and not tight.snapshots_on_device and tight.micro_batch == plan.micro_batch
     assert "GiB of rollback snapshots in pinned host memory" in tight.line()
+
+
+# ----------------------------------------------------------------------------- what the plan says
+
+
+def test_a_micro_batch_that_raises_the_tokens_per_step_says_so(event_plan):
+    import dataclasses
+
+    import launch
+    import config
+
+    lines = 0
+    for overrides in ({"micro_batch": 48}, {"micro_batch": 48, "batch_tokens": 524288}, {"micro_batch": 16}, {}):
+        plan, _ = event_plan(**overrides)
+        hp, _, _ = config.parse_args(["--dry_run", "--peak_tflops", "2250", "--device_memory_gib", "288"])
+        hp = dataclasses.replace(config.resolve(hp, 1), **overrides)
+        said = []
+        launch.check_plan(plan, hp, 288 * 2**30, 600.0, said.append)
+        raised = [line for line in said if line.startswith("--micro_batch")]
+        assert plan.tokens_per_step >= plan.asked_tokens_per_step
+        assert len(raised) == (plan.tokens_per_step > plan.asked_tokens_per_step and "micro_batch" in overrides), said
+        lines += len(raised)
+    assert lines >= 2  # 48 x 1,024 x 32 ranks = 1.57M tokens: 2,555,904 asked becomes 3,145,728; 524,288 becomes 1.57M

@@ -1,6 +1,8 @@
-"""plot.py: metrics files in, one PNG of training curves out; bench/speedrun.py writes one beside its table."""
+"""plot.py: metrics files in, one PNG of training curves out (never over a metrics file it reads); bench/speedrun.py
+writes one beside its table."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -173,3 +175,28 @@ def test_a_flag_argparse_cannot_read_is_one_sentence_and_exit_2(capsys):
         plot.main([])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == ["error: the following arguments are required: runs"]
+
+
+def test_plot_out_never_overwrites_a_metrics_file_it_reads(tmp_path, capsys):
+    import plot
+
+    (tmp_path / "run").mkdir()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(json.dumps(TRAIN_ROW) + "\n")
+    os.link(metrics, tmp_path / "curves.png")
+    for out in (metrics, tmp_path / "curves.png"):
+        with pytest.raises(SystemExit) as e:
+            plot.main([str(tmp_path / "run"), "--out", str(out)])
+        assert e.value.code == 2 and "would destroy it" in capsys.readouterr().err
+    assert metrics.read_text() == json.dumps(TRAIN_ROW) + "\n"
+
+
+def test_plot_out_without_a_suffix_writes_and_reports_that_name(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import plot
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps({**TRAIN_ROW, "step": s, "elapsed_s": s / 2}) for s in (1, 2)) + "\n")
+    plot.main([str(metrics), "--out", str(tmp_path / "curves")])
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'curves'}"
+    assert (tmp_path / "curves").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png").exists()

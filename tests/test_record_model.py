@@ -1,8 +1,10 @@
-"""The current record's switches in model.py (issue 37): bigram hash embedding, smear, attention and value-embedding
-gates, backout, and the tied-then-split embedding and head, under the organizers' contract."""
+"""The current record's switches in model.py: bigram hash embedding, smear, attention and value-embedding
+gates, backout, and the tied-then-split embedding and head, under the organizers' contract; a checkpoint written
+without them loads with today's model.py."""
 
 import dataclasses
 import itertools
+import types
 import shutil
 import subprocess
 import sys
@@ -13,7 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from model import bigram_hash, get_model  # noqa: E402
+import config  # noqa: E402
+from model import FIRST_KEYS, GPTConfig, bigram_hash, get_model  # noqa: E402
 from headloss import compiled_head_loss, head_loss  # noqa: E402
 from report import planned_graphs  # noqa: E402
 from muon import build_optimizers  # noqa: E402
@@ -210,3 +213,48 @@ def test_compiled_training_with_every_switch_matches_eager_and_compiles_the_plan
         model(idx, targets, loss_fn=loss_fn)[1].backward()
     assert abs(loss.item() - eager.item()) < 1e-5
     assert graphs == planned_graphs(model, idx.numel(), "cpu")
+
+
+# ----------------------------------------------------------------------------- checkpoints older than the switches
+
+
+LATER = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in FIRST_KEYS]
+
+
+def test_a_checkpoint_written_before_the_record_switches_loads_with_todays_model_py(tmp_path):
+    torch.manual_seed(0)
+    off = {"bigram_mult": 0.0, "ve_gate": False, "backout": False, "smear": False, "attn_gate": False}
+    old = get_model({**TINY, **off, "zero_init_proj": False})
+    old_config = {k: v for k, v in dataclasses.asdict(old.config).items() if k not in LATER}
+    assert set(old_config) == set(FIRST_KEYS) and {"bigram_mult", "ve_gate", "backout"} <= set(LATER)
+    torch.save({"model": old.state_dict(), "config": old_config, "step": 7}, tmp_path / "old.pt")
+    ckpt = torch.load(tmp_path / "old.pt", weights_only=True)
+    model = get_model(ckpt["config"])  # the organizers' two lines
+    model.load_state_dict(ckpt["model"])  # strict: no bigram table, value-embedding gate or backout weight missing
+    idx = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], old(idx)[0])
+
+
+def test_a_partial_or_whole_config_of_today_keeps_todays_defaults():
+    defaults = GPTConfig()
+    assert get_model(TINY).bigram is not None and get_model(TINY).backout_lambda is not None
+    whole = get_model({**dataclasses.asdict(defaults), **TINY})  # a checkpoint written today
+    assert whole.config == dataclasses.replace(defaults, **TINY)
+
+
+def test_every_old_switch_given_as_a_flag_still_builds_todays_model():
+    # the flags of every switch a first checkpoint held, at their defaults: the run's dict then holds every FIRST_KEYS
+    # key, yet it is no checkpoint's; the plan and the model keep the later switches on
+    import launch
+    import plan
+
+    flags = [f"--{k}={getattr(GPTConfig(), k)}" for k in FIRST_KEYS if k not in config.parse_args([])[0].__dict__]
+    hp, switches, unknown = config.parse_args(["--device", "cpu", *flags])
+    assert not unknown and set(FIRST_KEYS) <= {*switches, "vocab_size", "seq_len", "n_layer", "n_head", "n_embd"}
+    hp = config.resolve(hp, 1)
+    shape = types.SimpleNamespace(n_layer=2, n_head=2, n_embd=32)
+    model, *_ = launch.build_model(hp, shape, switches, torch.device("cpu"), 1, launch.EagerRuns(print, False))
+    assert model.bigram is not None and model.backout_lambda is not None
+    costs = plan.shape_costs({"n_layer": 2, "n_head": 2, "n_embd": 32, **switches}, hp.vocab_size, hp.seq_len)
+    assert costs["params"] == model.num_params()

@@ -1,4 +1,5 @@
-"""Rollback: the divergence rule, the snapshot's round trip, the LR cuts; real runs in the slow tier."""
+"""Rollback: the divergence rule, the snapshot's round trip, the LR cuts; real runs in the slow tier (a run that
+diverges for good stops with its last trusted weights, never a non-finite checkpoint)."""
 
 import json
 import math
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import rollback as R
-from conftest import FLOOR, TINY, TRAIN, child_env, command, on_tokens, read_metrics
+from conftest import FLOOR, TINY, TRAIN, child_env, command, on_tokens, read_metrics, run_train
 from eval import load_checkpoint
 from model import get_model
 from muon import build_optimizers
@@ -187,3 +188,30 @@ train.main(sys.argv[1:])
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(ranks[0]["rollbacks"]) == 1 and ranks[0]["rollbacks"] == ranks[1]["rollbacks"], ranks
     assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+@pytest.mark.slow
+def test_a_diverging_run_never_saves_non_finite_weights(tmp_path, token_dir):
+    # without the soft-cap the logits are unbounded: these LRs overflow them within a few steps
+    huge = ["--muon_lr", "1e6", "--embed_lr", "1e6", "--head_lr", "1e6", "--scalar_lr", "1e6", "--logit_softcap", "0"]
+    args = [
+        *on_tokens(token_dir),
+        *TINY,
+        *huge,
+        "--time_limit_min",
+        "0.2",
+        "--log_every_s",
+        "0",
+        "--save_every_min",
+        "1e-9",
+    ]
+    proc, _ = run_train(args, tmp_path)  # each rollback halves LRs a million times too high: they run out
+    _, val, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["stop_reason"] == "diverged" and len(summary["rollbacks"]) == 3, summary
+    model, ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    # the checkpoint and the final validation row say the step of the snapshot they hold, not the last step run
+    assert f"holds the weights of step {ckpt['step']}, the last trusted snapshot" in proc.stdout
+    assert ckpt["step"] == val[-1]["step"] == summary["weights_step"] < summary["steps"], (ckpt["step"], summary)
+    assert ckpt["tokens"] == val[-1]["tokens"] < summary["tokens"]
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+    assert not list(tmp_path.glob("*.tmp"))

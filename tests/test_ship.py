@@ -22,7 +22,7 @@ import eval as eval_py  # noqa: E402
 from eval import load_checkpoint  # noqa: E402  (the organizers' snippet, verbatim)
 from synthetic import write_synthetic  # noqa: E402
 from model import get_model  # noqa: E402
-from conftest import train_tokenizer  # noqa: E402
+from conftest import bind_mount, train_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 REPO_MODULES = {path.stem for path in REPO.glob("*.py")} - {"model"}
@@ -550,10 +550,7 @@ def test_bundle_refuses_an_out_dir_that_is_not_a_separate_folder(
 
 def test_a_bind_mount_of_the_source_is_the_source_to_bundle_too(tmp_path, capsys):
     src = source_copy(tmp_path / "src")
-    (tmp_path / "bound").mkdir()
-    if subprocess.run(["mount", "--bind", str(src), str(tmp_path / "bound")], capture_output=True).returncode:
-        pytest.skip("no bind mounts here (not root)")
-    try:
+    with bind_mount(src, tmp_path / "bound"):
         before = snapshot(src)
         with pytest.raises(SystemExit) as exit_:
             bundle.main([str(tmp_path / "bound"), "--src", str(src)])
@@ -563,8 +560,6 @@ def test_a_bind_mount_of_the_source_is_the_source_to_bundle_too(tmp_path, capsys
             f"reads; give a separate folder."
         ]
         assert snapshot(src) == before
-    finally:
-        subprocess.run(["umount", str(tmp_path / "bound")])
 
 
 def test_a_link_in_out_dir_is_replaced_not_written_through(tmp_path):

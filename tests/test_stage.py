@@ -1,6 +1,8 @@
-"""Tests for stage.py: a staged folder holds exactly what this node's ranks read, and the loader never reads past it."""
+"""Tests for stage.py: a staged folder holds exactly what this node's ranks read, and the loader never reads past it;
+staging never writes to its source (by any path to it), replaces stale files, and refuses a bad flag in one sentence."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ import torch
 import stage
 from data import BatchLoader, check_token_files, find_token_files, load_token_data
 from shards import BLOCK_WINDOWS, STAGED_MANIFEST, Deal, block_layout, staged_blocks
-from conftest import epoch0_windows, full_windows
+from conftest import bind_mount, epoch0_windows, full_windows
 from config import parse_args
 from windows import WindowSpec
 
@@ -79,3 +81,116 @@ def test_a_node_not_in_the_list_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(stage.socket, "getfqdn", lambda: "n3")
     with pytest.raises(ValueError, match="this node is 'n3'"):
         stage.stage(tmp_path, tmp_path / "dst", 1000, 4, 1.5, ["n1", "n2"], 2, parse_args(FLAGS)[0])
+
+
+# ------------------------------------------------------------------------ staging never writes to its source; bad flags
+
+
+PLAN = json.dumps({"tokens": 20_000, "world_size": 1})
+
+
+@pytest.fixture
+def stage_src(tmp_path, monkeypatch):
+    import numpy as np
+
+    import stage
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        (np.arange(i, i + 300_000) % 1000 + 2).astype("<u2").tofile(src / f"chunk_{i + 1:04d}.bin")
+    monkeypatch.setattr(stage.socket, "getfqdn", lambda: "n1")
+    return src
+
+
+def run_stage(src, dst, *flags, plan=PLAN):
+    import stage
+
+    argv = [str(src), str(dst), "--plan", plan, "--nodes", "n1", "--nproc", "1", *flags]
+    try:
+        stage.main([*argv, "--", "--seq_len", "15", "--val_tokens", "1000"])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def same_dir(tmp, src):
+    return src
+
+
+def symlinked_dir(tmp, src):
+    (tmp / "local").symlink_to(src)
+    return tmp / "local"
+
+
+def linked_chunks(make_link):
+    def make(tmp, src):
+        (tmp / "local").mkdir()
+        for chunk in src.iterdir():
+            make_link(chunk, tmp / "local" / chunk.name)
+        return tmp / "local"
+
+    return make
+
+
+def a_file(tmp, src):
+    (tmp / "local").write_text("not a folder")
+    return tmp / "local"
+
+
+STAGE_DESTINATIONS = {
+    "the source folder": (same_dir, "is the source folder"),
+    "a symlink to the source folder": (symlinked_dir, "is the source folder"),
+    "a folder of hard links to the chunks": (linked_chunks(os.link), "is the source file"),
+    "a folder of symlinks to the chunks": (linked_chunks(os.symlink), "is the source file"),
+    "a file": (a_file, "is a file, not a folder"),
+}
+
+
+@pytest.mark.parametrize("case", STAGE_DESTINATIONS.values(), ids=STAGE_DESTINATIONS.keys())
+def test_staging_never_writes_through_to_its_source(tmp_path, stage_src, capsys, case):
+    make, words = case
+    before = {p.name: p.read_bytes() for p in stage_src.iterdir()}
+    assert run_stage(stage_src, make(tmp_path, stage_src)) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in stage_src.iterdir()} == before
+
+
+def test_a_bind_mount_of_the_source_is_the_source(tmp_path, stage_src, capsys):
+    with bind_mount(stage_src, tmp_path / "bound") as bound:
+        before = {p.name: p.read_bytes() for p in stage_src.iterdir()}
+        assert run_stage(stage_src, bound) == 2
+        assert "is the source folder" in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in stage_src.iterdir()} == before
+
+
+STAGE_FLAGS = {
+    "plan not JSON": ({"plan": "plan: l2w64 ..."}, "--plan"),
+    "plan without tokens": ({"plan": json.dumps({"world_size": 1})}, "--plan"),
+    "plan with negative tokens": ({"plan": json.dumps({"tokens": -5, "world_size": 1})}, "--plan"),
+    "plan a list": ({"plan": "[1, 2]"}, "--plan"),
+    "margin nan": ({"flags": ["--margin", "nan"]}, "--margin"),
+    "margin inf": ({"flags": ["--margin", "inf"]}, "--margin"),
+    "margin 0": ({"flags": ["--margin", "0"]}, "--margin"),
+    "nproc 0": ({"flags": ["--nproc", "0"]}, "--nproc"),
+}
+
+
+@pytest.mark.parametrize("case", STAGE_FLAGS.values(), ids=STAGE_FLAGS.keys())
+def test_stage_bad_inputs_are_one_sentence_and_exit_2(tmp_path, stage_src, capsys, case):
+    given, words = case
+    code = run_stage(stage_src, tmp_path / "dst", *given.get("flags", []), plan=given.get("plan", PLAN))
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_staging_replaces_stale_files_and_leaves_no_temporary_one(tmp_path, stage_src, capsys):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "chunk_0001.bin").write_bytes(b"stale")
+    (dst / ".chunk_0002.bin.staging").write_bytes(b"left by a killed copy")
+    assert run_stage(stage_src, dst) == 0
+    assert sorted(p.name for p in dst.iterdir()) == ["chunk_0001.bin", "chunk_0002.bin", "staged.json"]
+    assert (dst / "chunk_0001.bin").stat().st_size == (stage_src / "chunk_0001.bin").stat().st_size

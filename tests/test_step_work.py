@@ -1,5 +1,6 @@
-"""Issue 43 item 4: the cautious weight decay in fewer passes (muon.cautious_decay_) and the embedding tables' sparse
-gradients after a step's first micro-step (model.lookup): the bytes they move, and that results stay the old ones."""
+"""The cautious weight decay in fewer passes (muon.cautious_decay_) and the embedding tables' sparse gradients after a
+step's first micro-step (model.lookup): the bytes they move, and that results equal the plain formula's (the "old
+formula" below: p minus decay x p where the update and p agree in sign, one kernel per operation)."""
 
 import os
 from contextlib import nullcontext
@@ -25,7 +26,7 @@ EPS = torch.finfo(torch.float32).eps
 
 
 def old_cautious_decay_(p, direction, decay):
-    """The decay as it was before issue 43 (commit ccb28b6): the reference the new one must match."""
+    """The decay as the plain formula: the reference the fused one must match."""
     p.sub_(p * (direction * p > 0), alpha=decay)
 
 
@@ -104,8 +105,9 @@ def decay_cost(make_optimizer, decayed, n_params=1, **decay):
 
 
 def test_adamws_cautious_decay_runs_3_kernels_and_moves_26_bytes_an_entry():
-    """Before it ran 4 kernels and moved 38 bytes an fp32 entry (the sum of each kernel's reads and writes): fp32
-    product and mask, then p * mask, then p.sub_. Its few large tables keep the per-tensor form: bytes, not launches."""
+    """The plain formula runs 4 kernels and moves 38 bytes an fp32 entry (the sum of each kernel's reads and
+    writes): fp32 product and mask, then p * mask, then p.sub_. Its few large tables keep the per-tensor form: bytes,
+    not launches."""
     kernels, per_entry = decay_cost(
         lambda ps, cautious_wd: CautiousAdamW([dict(params=ps, cautious_wd=cautious_wd)], lr=0.1, fused=True),
         64 * 32,

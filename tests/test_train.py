@@ -134,18 +134,6 @@ def test_organizer_flags_decay_to_the_floor_inside_the_time_budget(tmp_path, tok
 
 
 @pytest.mark.slow
-def test_a_ramp_grows_the_batch_and_still_ends_on_the_clock_at_the_floor(tmp_path, token_dir):
-    budget = 0.3 * 60
-    # a cap of 60: room for a ramp (under ~45 the flat plan runs instead, said once)
-    timed_run([*organizer_flags(token_dir, 0.3, 60), "--ramp_frac", "0.3"], tmp_path)
-    rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    per_step = [r["tokens_per_step"] for r in rows]
-    assert per_step == sorted(per_step) and per_step[0] < per_step[-1], per_step  # grew, never shrank
-    assert summary["steps"] <= 60
-    assert_decays_to_the_floor_inside_the_budget(rows, summary, budget)
-
-
-@pytest.mark.slow
 def test_a_tight_max_steps_still_ends_on_the_clock_and_is_never_exceeded(tmp_path, token_dir):
     # 40 steps for 18 s: the plan raises tokens per step (and replans once from the measured step time) so the
     # time limit, not the step cap, ends the run; before the plan, this stopped at step 40 after a fraction of it
@@ -721,9 +709,9 @@ def test_the_sqrt_lr_rule_scales_only_a_batch_above_the_recipes():
 
 @pytest.mark.slow
 def test_a_cold_compile_of_over_a_third_of_the_budget_still_runs_the_whole_schedule(tmp_path):
-    """Issue 32's command with an empty inductor cache, its first step held to >= 40% of the budget whatever this
-    machine's compile takes (17-30 s here): the steps after it run the stable phase at LR 1, then the decay to the
-    floor, and learn (the bug's run, frozen at the floor from step 2, scored 6.82 on this chain, ln 1024 = 6.93)."""
+    """A compiled one-minute run with an empty inductor cache, its first step held to >= 40% of the budget whatever
+    this machine's compile takes (17-30 s here): the steps after it run the stable phase at LR 1, then the decay to
+    the floor, and learn (a run frozen at the floor from step 2 scores 6.82 on this chain, ln 1024 = 6.93)."""
     args = [*SHAPE, "--compile", "--seq_len", "64", "--batch_size", "4", "--micro_batch", "4"]
     args += ["--time_limit_min", "1", "--log_every_s", "0", "--save_every_min", "0"]
     env = {**child_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -737,7 +725,7 @@ def test_a_cold_compile_of_over_a_third_of_the_budget_still_runs_the_whole_sched
     proc = subprocess.run([sys.executable, "-c", held], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, _, summary = read_metrics(tmp_path / "metrics.jsonl")
-    assert summary["compile_s"] > summary["budget_s"] / 3, summary  # the case item 1 is about
+    assert summary["compile_s"] > summary["budget_s"] / 3, summary  # the case this test is about
     start, budget = summary["compile_s"], summary["budget_s"]
     stable_share = 1 - config.Hyperparameters().decay_frac - 0.05  # the default schedule's stable phase, less a margin
     stable = [r for r in rows if r["step"] >= 1 and r["elapsed_s"] < start + stable_share * (budget - start)]
