@@ -178,7 +178,7 @@ def compiled_chunk_loss(y, targets, mix, cap, need_grad):
 
 def compiled_head_loss(wrap=lambda fn: fn):
     """head_loss with its per-chunk loss math compiled (eagerly, one pass over the (rows, V) logits per op,
-    bandwidth-bound on GPU); wrap: what the compiled function runs inside (launch.EagerRuns.wrap)."""
+    bandwidth-bound on GPU); wrap: what the compiled function runs inside (kernels.EagerRuns.wrap)."""
     compiled = torch.compile(compiled_chunk_loss, fullgraph=True, dynamic=False)
     return functools.partial(head_loss, chunk_fn=wrap(compiled))
 

@@ -1,8 +1,9 @@
 """The kernels a run's compute goes through, chosen before the clock: the attention backend of
 F.scaled_dot_product_attention, checked against the math backend at the call training makes (layout, micro-batch,
 dtype, compiled or not), and on a B300 the ptxas Triton assembles with.
-launch.py calls these; train.first_compiled_step moves down the backends when step 0 fails inside one. The versions
-line and the summary say what was chosen and the op step 0 compiles in.
+launch.py calls these; train.Trainer.first_compiled_step moves down the backends when step 0 fails inside one. The
+versions line and the summary say what was chosen and the op step 0 compiles in. After step 0, a compiled region
+whose guards miss runs eagerly (EagerRuns), counted, never recompiled on the clock.
 
 Why: torch 2.9-2.10 prefer cuDNN attention only on compute capability 9.0 and 10.0 (sdp_utils.cpp,
 check_prefer_cudnn_attention), so a B300 (10.3) runs the in-tree FlashAttention-2, about half cuDNN's speed on
@@ -414,3 +415,28 @@ def point_triton_at_ptxas(capability, triton, env, cuda_glob="/usr/local/cuda*")
         f"($CUDA_HOME/bin, /usr/local/cuda*/bin, PATH): compiling will fail at step 0 and training will run eagerly "
         f"(1.5-3x slower); install torch>=2.10 (Triton 3.6), or set TRITON_PTXAS_PATH to a CUDA >= 12.9 ptxas"
     )
+
+
+class EagerRuns:
+    """After step 0 the stance is fail_on_recompile: a compiled region whose guards miss (a new input shape, a changed
+    guard) raises before it runs anything; that call then runs eagerly (2-3x slower, but no recompile on the clock),
+    said once and counted for the summary. With --on_recompile fail the error stands."""
+
+    def __init__(self, say, fail_on_miss):
+        self.say, self.fail_on_miss, self.count = say, fail_on_miss, 0
+
+    def wrap(self, compiled):
+        def call(*args, **kwargs):
+            try:
+                return compiled(*args, **kwargs)
+            except RuntimeError as e:
+                if self.fail_on_miss or "Detected recompile" not in str(e):
+                    raise
+                miss = " ".join(str(e).split())[:300]
+            self.count += 1
+            if self.count == 1:
+                self.say(f"warning: a compiled graph's guards missed after step 0; it runs eagerly, slower ({miss})")
+            with torch.compiler.set_stance("force_eager"):
+                return compiled(*args, **kwargs)
+
+        return call

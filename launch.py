@@ -26,7 +26,7 @@ from config import Resolved, resolve
 from checkpoint import Checkpointer, check_room
 from deadline import budget_until, training_deadline
 from kernels import AttentionCall, AttentionChoice, agreed_attention, choose_attention, point_triton_at_ptxas
-from kernels import triton_version
+from kernels import EagerRuns, triton_version
 from paths import PendingFile, check_outputs, lock_outputs, release_outputs, training_twin
 from report import MetricsFile, carry_rows
 from resume import Resumed, StateWriter, check_state_room, load_resumed, mismatch, resumed_state, state_fingerprint
@@ -63,7 +63,7 @@ class Run:
     loss_fn: object  # model(x, y, loss_fn=...)'s training loss: headloss.head_loss, compiled as configured
     attention: object  # kernels.AttentionChoice: its active() context holds for training and validation
     optimizers: list
-    eager_runs: "EagerRuns"
+    eager_runs: EagerRuns
     loader: BatchLoader
     val: list
     config: dict  # what checkpoints store: the hyperparameters, the plan and model.py's config
@@ -104,21 +104,7 @@ def refused_together(error, device, world, rank):
 
 def launch(hp, model_switches, stop_signals, say):
     """Everything before the clock, in order: process group, checks, plan, model, step-0 save, warm collectives."""
-    if problem := torch_problem(torch.__version__):
-        fail(f"error: {problem}")
-    try:
-        rank, world, local_rank = launcher_env(os.environ)
-    except ValueError as e:
-        fail(f"error: {e}")
-    hp = resolve(hp, world)
-    device = init_device(hp, rank, local_rank, world)
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    for line in (
-        point_triton_at_ptxas(capability, triton_version(), os.environ),
-        cap_compile_workers(os.environ, hp.compile),
-    ):
-        if line:  # before anything compiles
-            say(line)
+    hp, rank, world, device, capability = this_rank(hp, say)
     deadline = training_deadline(hp, rank, device, world, say)
     budget_s = budget_until(deadline, hp)  # first: the plan is made for the budget the run gets
     resumed = resumed_state(hp, rank, world, device, say)  # a run that had finished ends here, nothing written
@@ -142,11 +128,7 @@ def launch(hp, model_switches, stop_signals, say):
         f"{world} x {device.type} | compile {hp.compile} | autocast {hp.autocast} | grad reduce {hp.grad_reduce} | "
         f"budget {budget_s:.0f} s, max_steps {hp.max_steps}"
     )
-    metrics = None
-    if inputs.metrics is not None:  # a new file renamed in, never truncated: another name of the old one keeps its rows
-        if resumed:
-            carry_rows(hp.metrics_path, inputs.metrics.handle, resumed.meta["step"])
-        metrics = MetricsFile(inputs.metrics.put_in_place())
+    metrics = open_metrics(inputs.metrics, hp.metrics_path, resumed)
     if world > 1:
         warm_collectives(device)  # ends in a barrier: every rank starts its clock right after it
     return Run(
@@ -171,6 +153,38 @@ def launch(hp, model_switches, stop_signals, say):
         state_writer=StateWriter(hp.checkpoint_path, rank, state_group) if hp.save_state else None,
         fingerprint=inputs.fingerprint,
     )
+
+
+def this_rank(hp, say):
+    """The torch this runs on checked, this rank's place, the flags resolved for it, its device and process group,
+    and on CUDA its compute capability, the ptxas Triton uses and the compile workers, set before anything compiles:
+    (hp, rank, world, device, capability)."""
+    if problem := torch_problem(torch.__version__):
+        fail(f"error: {problem}")
+    try:
+        rank, world, local_rank = launcher_env(os.environ)
+    except ValueError as e:
+        fail(f"error: {e}")
+    hp = resolve(hp, world)
+    device = init_device(hp, rank, local_rank, world)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    for line in (
+        point_triton_at_ptxas(capability, triton_version(), os.environ),
+        cap_compile_workers(os.environ, hp.compile),
+    ):
+        if line:
+            say(line)
+    return hp, rank, world, device, capability
+
+
+def open_metrics(pending, path, resumed):
+    """Rank 0's metrics file, a new one renamed in (never truncated: another name of the old one keeps its rows),
+    holding a resumed run's earlier rows; None on the other ranks."""
+    if pending is None:
+        return None
+    if resumed:
+        carry_rows(path, pending.handle, resumed.meta["step"])
+    return MetricsFile(pending.put_in_place())
 
 
 class Inputs(NamedTuple):
@@ -403,31 +417,6 @@ def allow_tf32_matmuls(matmul=torch.backends.cuda.matmul):
     readers of it then raise mid-compile (pytorch#166387, on 2.10 too); the cuDNN one warns and no cuDNN convolution or
     RNN runs here."""
     matmul.allow_tf32 = True
-
-
-class EagerRuns:
-    """After step 0 the stance is fail_on_recompile: a compiled region whose guards miss (a new input shape, a changed
-    guard) raises before it runs anything; that call then runs eagerly (2-3x slower, but no recompile on the clock),
-    said once and counted for the summary. With --on_recompile fail the error stands."""
-
-    def __init__(self, say, fail_on_miss):
-        self.say, self.fail_on_miss, self.count = say, fail_on_miss, 0
-
-    def wrap(self, compiled):
-        def call(*args, **kwargs):
-            try:
-                return compiled(*args, **kwargs)
-            except RuntimeError as e:
-                if self.fail_on_miss or "Detected recompile" not in str(e):
-                    raise
-                miss = " ".join(str(e).split())[:300]
-            self.count += 1
-            if self.count == 1:
-                self.say(f"warning: a compiled graph's guards missed after step 0; it runs eagerly, slower ({miss})")
-            with torch.compiler.set_stance("force_eager"):
-                return compiled(*args, **kwargs)
-
-        return call
 
 
 def dry_run(hp, model_switches, say):

@@ -45,7 +45,7 @@ class Prefetcher:
         with torch.cuda.device(self.device) if self._pin else nullcontext():  # one cudaHostAlloc, not one per batch
             self._ring = torch.empty(slots, 2, batch_size, seq_len, dtype=torch.int64, pin_memory=self._pin)
         self._copied = [torch.cuda.Event() for _ in range(slots)] if self._pin else None
-        self._queue: queue.Queue[tuple[int, int] | BaseException] = queue.Queue(maxsize=self.depth)
+        self._queue: queue.Queue[tuple[Where, int] | BaseException] = queue.Queue(maxsize=self.depth)
         self._stop, self._error = threading.Event(), None
         self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
         self._thread.start()

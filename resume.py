@@ -75,7 +75,7 @@ class Resumed:
 def found(hp, rank, world):
     """(the Resumed state this run goes on from, or None; an error sentence, or None), the same on every rank: rank 0
     looks, and tells the others."""
-    result = [None, None]
+    result: list = [None, None]
     if rank == 0:
         try:
             folder = find(hp.resume, hp.checkpoint_path)
@@ -256,7 +256,9 @@ class StateWriter:
 
     def __init__(self, checkpoint_path, rank, group):
         self.root, self.rank, self.group = state_root(checkpoint_path), rank, group
-        self.pending, self.error, self.saved_step = None, None, None
+        self.pending: tuple | None = None  # (a background save's future, its folder, its meta)
+        self.error: str | None = None
+        self.saved_step = None
 
     def save(self, model, optimizers, ema_average, ema_names, meta, background):
         """Save the tensors and, once they are complete, meta; raises (a background save: wait() or poll() say) on a
@@ -293,18 +295,18 @@ class StateWriter:
     def poll(self):
         """A background save that finished is named (rank 0); its failure, once, as one sentence."""
         if self.pending is not None and self.pending[0].done():
-            self._finish_pending()
+            self._finish_pending(self.pending)
         error, self.error = self.error, None
         return error
 
     def wait(self):
         if self.pending is not None:
-            self._finish_pending()
+            self._finish_pending(self.pending)
         error, self.error = self.error, None
         return error
 
-    def _finish_pending(self):
-        future, folder, meta = self.pending
+    def _finish_pending(self, pending):
+        future, folder, meta = pending
         self.pending = None
         try:
             future.result()

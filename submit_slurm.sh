@@ -118,7 +118,7 @@ done
 if [[ "${REQUEUE:-0}" == 1 && $STATUS == 0 ]]; then
     METRICS=${METRICS_PATH:-$(dirname "$CHECKPOINT_PATH")/metrics.jsonl}
     REASON=$(python3 -c 'import json, sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1]).get("stop_reason"))' \
-        "$METRICS" 2>/dev/null || echo none)
+        "$METRICS" 2>/dev/null) || REASON=none
     if [[ $REASON == wall || ($REASON == signal && $NEAR_WALL == 1) ]]; then
         say "job $SLURM_JOB_ID (run ${SLURM_RESTART_COUNT:-0}): stopped for its wall; requeued to go on from the state"
         scontrol requeue "$SLURM_JOB_ID"

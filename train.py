@@ -312,8 +312,8 @@ class Trainer:
         data_rank = run.rank + 1 if self.data_gone else 0  # which rank's data is gone, if any: every rank stops with it
         signalled = float(run.stop_signals.received)
         wall_left = run.deadline - time.time() if self.hp.budget_spans_jobs else math.inf
-        stats = [elapsed, self.paused, self.val_token_s, signalled, data_rank, -wall_left]  # all taken by MAX
-        stats = torch.tensor(stats, device=run.device)
+        mine = [elapsed, self.paused, self.val_token_s, signalled, data_rank, -wall_left]  # all taken by MAX
+        stats = torch.tensor(mine, device=run.device)
         totals = self.loss_sum.clone()
         if run.world > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)

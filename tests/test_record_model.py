@@ -246,6 +246,7 @@ def test_a_partial_or_whole_config_of_today_keeps_todays_defaults():
 def test_every_old_switch_given_as_a_flag_still_builds_todays_model():
     # the flags of every switch a first checkpoint held, at their defaults: the run's dict then holds every FIRST_KEYS
     # key, yet it is no checkpoint's; the plan and the model keep the later switches on
+    import kernels
     import launch
     import plan
 
@@ -254,7 +255,7 @@ def test_every_old_switch_given_as_a_flag_still_builds_todays_model():
     assert not unknown and set(FIRST_KEYS) <= {*switches, "vocab_size", "seq_len", "n_layer", "n_head", "n_embd"}
     hp = config.resolve(hp, 1)
     shape = types.SimpleNamespace(n_layer=2, n_head=2, n_embd=32)
-    model, *_ = launch.build_model(hp, shape, switches, torch.device("cpu"), 1, launch.EagerRuns(print, False))
+    model, *_ = launch.build_model(hp, shape, switches, torch.device("cpu"), 1, kernels.EagerRuns(print, False))
     assert model.bigram is not None and model.backout_lambda is not None
     costs = plan.shape_costs({"n_layer": 2, "n_head": 2, "n_embd": 32, **switches}, hp.vocab_size, hp.seq_len)
     assert costs["params"] == model.num_params()

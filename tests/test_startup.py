@@ -5,6 +5,7 @@ import torch
 
 import checkpoint
 import config
+import kernels
 import launch
 from conftest import TINY, patched_train, read_metrics
 from eval import load_checkpoint
@@ -22,9 +23,9 @@ def test_the_model_is_built_where_it_trains_and_on_cpu_as_before(monkeypatch):
     made_on = []
     real = launch.get_model
     monkeypatch.setattr(launch, "get_model", lambda cfg: (made_on.append(torch.empty(0).device), real(cfg))[1])
-    on_meta = launch.build_model(hp, plan, {}, torch.device("meta"), 1, launch.EagerRuns(print, False))[0]
+    on_meta = launch.build_model(hp, plan, {}, torch.device("meta"), 1, kernels.EagerRuns(print, False))[0]
     assert made_on == [torch.device("meta")] and on_meta.wte.weight.is_meta
-    on_cpu = launch.build_model(hp, plan, {}, torch.device("cpu"), 1, launch.EagerRuns(print, False))[0]
+    on_cpu = launch.build_model(hp, plan, {}, torch.device("cpu"), 1, kernels.EagerRuns(print, False))[0]
     torch.manual_seed(3)
     reference = real({"vocab_size": hp.vocab_size, "seq_len": 32, **shape})
     assert all(torch.equal(v, reference.state_dict()[k]) for k, v in on_cpu.state_dict().items())
