@@ -132,8 +132,11 @@ class MetricsFile:
 
 
 # at the end, the longest a stalled file system may hold the last metrics rows: the checkpoint is on disk by then, and
-# under SLURM at most half of what is left of the job (the reserve after training is 60 s), so the ranks still exit
+# under SLURM at most half of what is left of the job (the reserve after training is 60 s), so the ranks still exit;
+# but at least a second, past the job's end too (SLURM kills 30 s after its signal): a healthy file takes the last rows
+# in microseconds, and a join of 0 s would drop them whenever the writer thread had not yet been scheduled
 METRICS_DRAIN_S = 30.0
+METRICS_DRAIN_MIN_S = 1.0
 
 
 def close_metrics(run):
@@ -142,7 +145,7 @@ def close_metrics(run):
     if run.metrics is None or run.metrics.closed:
         return
     job_left = run.deadline + run.hp.slurm_reserve_s - time.time()
-    wait_s = max(min(METRICS_DRAIN_S, job_left / 2), 0.0)
+    wait_s = max(min(METRICS_DRAIN_S, job_left / 2), METRICS_DRAIN_MIN_S)
     if not run.metrics.close(wait_s):
         run.say(
             f"warning: {run.hp.metrics_path} took no rows for {wait_s:.0f} s (a stalled file system?); "

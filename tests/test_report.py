@@ -65,6 +65,7 @@ def test_a_metrics_file_that_blocks_never_holds_emit_and_every_row_lands_in_orde
 
 def test_a_writer_stuck_at_the_end_is_said_and_left_behind_after_the_bound(monkeypatch):
     monkeypatch.setattr(report, "METRICS_DRAIN_S", 0.5)
+    monkeypatch.setattr(report, "METRICS_DRAIN_MIN_S", 0.2)
     handle = BlockingFile()
     run, said = fake_run(handle)
     run.metrics.put(rows(1)[0])
@@ -84,6 +85,17 @@ def test_under_slurm_the_end_waits_at_most_half_of_what_is_left_of_the_job():
     close_metrics(run)
     assert time.perf_counter() - start < 3.0 and len(said) == 1
     handle.gate.set()
+
+
+def test_a_run_past_its_jobs_end_still_gives_a_slow_writer_its_last_rows():
+    """A job that trained up to its wall and saved past it (a slow save): the writer still gets a second for the
+    last rows, and takes them (a join of 0 s dropped them whenever the thread had not yet run)."""
+    handle = BlockingFile()
+    run, said = fake_run(handle, deadline=time.time() - 5.0)
+    run.metrics.put(rows(1)[0])
+    threading.Timer(0.3, handle.gate.set).start()  # a write that takes 0.3 s
+    close_metrics(run)
+    assert said == [] and handle.closed and [json.loads(line) for line in "".join(handle.parts).splitlines()] == rows(1)
 
 
 def test_a_full_disk_is_said_once_and_rows_after_it_are_dropped_without_stalling():
