@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch._functorch.config
 import torch.distributed as dist
+from tqdm import tqdm
 
 from muon import all_gather_flat, flat_gather
 from kernels import cudnn_release, triton_version
@@ -288,6 +289,13 @@ def end_ranks(code, device):
             os._exit(code)
     if code:
         sys.exit(code)
+
+
+def say_on_rank0(message):
+    """A line for the person running the job, once: rank 0's, above the progress bar, not on its line."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        tqdm.write(message, file=sys.stdout)
+        sys.stdout.flush()
 
 
 def fail(message, code=2):

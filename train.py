@@ -21,7 +21,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from config import check_flags, overridden_flags, parse_args
 from checkpoint import CheckpointError
@@ -34,7 +33,8 @@ from deadline import agreed_budget
 from launch import dry_run, launch
 from kernels import agreed_attention, compile_counts, failed_in_attention, forget_compiles, next_attention
 from kernels import switch_attention
-from ranks import StopSignals, end_ranks, fail, failing_ranks, first_line, lost_peers, rank_span, stop_with_the_launcher
+from ranks import StopSignals, end_ranks, fail, failing_ranks, first_line, lost_peers, rank_span, say_on_rank0
+from ranks import stop_with_the_launcher
 from schedule import batch_lr_scale, schedule, set_lrs
 from streams import guard_log_streams
 from report import Logger, StepProfile, close_metrics, human_summary, process_age_s, summary_row
@@ -47,7 +47,7 @@ def main(argv=None):
     stop_signals = StopSignals()  # from here on: finish the current step (or micro-step), save, validate, exit 0
     stop_with_the_launcher(parent)
     hp, model_switches, unknown = parse_args(argv)
-    say = print_on_rank0
+    say = say_on_rank0
     if unknown:
         say(f"ignoring unknown flags: {' '.join(unknown)}")
     try:  # flag errors are the same on every rank: each exits on its own
@@ -71,12 +71,6 @@ def abandon(run):
     """A peer lost mid-run: the background save finished and the metrics rows written, before the exit."""
     run.checkpointer.wait()
     close_metrics(run)
-
-
-def print_on_rank0(message):
-    if int(os.environ.get("RANK", 0)) == 0:
-        tqdm.write(message, file=sys.stdout)  # above the progress bar, not on its line
-        sys.stdout.flush()
 
 
 @torch.no_grad()

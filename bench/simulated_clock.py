@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 import launch  # noqa: E402
 import train  # noqa: E402
+from ranks import say_on_rank0  # noqa: E402
 from headloss import head_loss  # noqa: E402
 
 
@@ -67,7 +68,7 @@ def blame(model, kept, step):
         model.load_state_dict(weights)
         return model(x, y, loss_fn=head_loss)[1].item()
 
-    say = train.print_on_rank0  # above the progress bar
+    say = say_on_rank0  # above the progress bar
     say(
         f"blame: step {step + 2}'s batch: {loss(before):.3f} at the weights after step {step}, {loss(after):.3f} "
         f"after step {step + 1}; with one tensor put back:"
