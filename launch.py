@@ -276,6 +276,8 @@ def build_plan(hp, model_switches, device, world, budget_s, say):
         bf16=hp.autocast == "bf16",
         muon=hp.optimizer == "muon",
         tail_ema=hp.tail_ema > 0,
+        snoo=hp.snoo_lr > 0,
+        smoothing=hp.muon_smoothing > 0,
     )
     if table:
         say_ladder(plan, table, hp, rate, world, say)
@@ -365,6 +367,8 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         adam_weight_decay=hp.adam_weight_decay,
         ns_coeffs=hp.ns_coeffs,
         normuon_beta2=hp.normuon_beta2,
+        update_smoothing=hp.muon_smoothing,
+        snoo=(hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) if hp.snoo_lr else None,
         tied_head=tied_head,
     )
     if hp.compile:

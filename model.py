@@ -89,9 +89,12 @@ class GPTConfig:
     untie_at: float = 0.0  # share embedding and head until this fraction of training (train.py's progress); 0: off
     # the gates' AdamW LR as a fraction of scalar_lr (muon.build_optimizers; medium #18 gives gates 0.1x)
     gate_lr_mult: float = 0.1
+    # MUDD: arXiv 2502.12170, mnGPT medium PR #261 (-470/4,740 steps); here: not measured
+    mudd: bool = False  # the last two blocks' inputs and the head's get per-token mixes of earlier outputs (DenseMix)
 
 
 GATE_DIM = 12  # the gates read the first dims of their input (mnGPT: 12 on the short track, 16 on the medium)
+MUDD_HIDDEN, MUDD_SCALE = 64, 0.2 / math.sqrt(3)  # medium PR #261's width and output scale (it slows Adam's moves)
 
 
 def bigram_hash(idx, rows):
@@ -173,6 +176,26 @@ def gate_linear(cfg, n_out, on):
 
 def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
+
+
+class DenseMix(nn.Module):
+    """MUDD's dynamic weights (Xiao et al. 2025): per token, n_out numbers from a GELU MLP on the normalised hidden
+    state (the paper normalises; the PR reads it raw). The output layer starts at zero: a mix starts as nothing."""
+
+    def __init__(self, dim, n_out):
+        super().__init__()
+        self.w1 = nn.Linear(dim, MUDD_HIDDEN, bias=False)
+        self.w2 = nn.Linear(MUDD_HIDDEN, n_out)
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(rms_norm(x)))) * MUDD_SCALE
+
+
+def mixed(x, weights, sources):
+    """x + sum_j weights[..., j] * sources[j]: one addcmul a source."""
+    for j, source in enumerate(sources):
+        x = torch.addcmul(x, weights[..., j : j + 1], source)
+    return x
 
 
 class ReluSquared(torch.autograd.Function):
@@ -356,6 +379,40 @@ class GPT(nn.Module):
         self.norm_f = Norm(C, cfg.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(C, self.padded_vocab, bias=False)
         self._init_weights()
+        self.mudd = self._dense_mixes() if cfg.mudd else None  # built last: the other weights draw as without it
+
+    def _dense_mixes(self):
+        """MUDD as medium PR #261 trims it: after block L-2, its output, x0 and a tap at 3L/4 (the backout layer's) are
+        mixed into the last block's input and, with the block's value embedding, its V (through that input, so the
+        block keeps its graph), its value embedding gated per head too; after block L-1, x0, the taps at 3L/4 and L/4,
+        block L-2's output and value embedding 0 into the head's input. The PR's six per-token scalars of the last
+        block are left out (they would make it a graph of its own); backout stays its own scalar."""
+        cfg, L = self.config, self.config.n_layer
+        if L < 2:
+            raise ValueError(f"config mudd needs n_layer >= 2 (it mixes into the last two blocks), got {L}")
+        self.mudd_taps = (max(3 * L // 4 - 1, 0), L // 4)
+        n_mid = 3 + (3 + cfg.n_head) * (self.ve_index[L - 1] is not None)
+        mixes = nn.ModuleList([DenseMix(cfg.n_embd, n_mid), DenseMix(cfg.n_embd, 4 + bool(self.value_embeds))])
+        with torch.no_grad():
+            for mix in mixes:
+                mix.w1.weight.normal_(0.0, 0.5 / math.sqrt(cfg.n_embd))
+                mix.w2.weight.zero_()
+                mix.w2.bias.zero_()
+        return mixes
+
+    def _mix_middle(self, x, x0, taps, ve):
+        """After block L-2: (the last block's input, its value embedding)."""
+        w, sources = self.mudd[0](x), (x0, taps[self.mudd_taps[0]], x)
+        taps["L-2"] = x
+        if ve is not None:
+            B, T, C = ve.shape
+            gate = w[..., 6:, None].add(1.0)  # per head, 1 at init
+            ve = mixed((ve.view(B, T, -1, C // gate.size(-2)) * gate).view(B, T, C), w[..., 3:6], sources)
+        return mixed(x, w[..., :3], sources), ve
+
+    def _mix_last(self, x, x0, taps, ves):
+        sources = [x0, taps[self.mudd_taps[0]], taps["L-2"], taps[self.mudd_taps[1]], *ves[:1]]
+        return mixed(x, self.mudd[1](x), sources)
 
     @torch.no_grad()
     def _init_weights(self):
@@ -410,19 +467,26 @@ class GPT(nn.Module):
         x0, x = x, x.clone()
         rope = self.rotary(T, idx.device) if self.rotary is not None else None
         ves = [lookup(ve, idx) for ve in self.value_embeds]
-        L, skips, early = len(self.blocks), [], None
+        L, skips, early, taps, mixed_ve = len(self.blocks), [], None, {}, None
         skip_weights = self.skip_weights.unbind() if self.n_skip else ()  # one backward op, not one per skip
         for i, block in enumerate(self.blocks):
             if i >= L - self.n_skip:
                 x = scaled_add(x, skip_weights[L - 1 - i], skips.pop())
             ve = ves[self.ve_index[i]] if self.ve_index[i] is not None else None
-            x = block(x, x0, ve, rope)
+            x = block(x, x0, mixed_ve if i == L - 1 and mixed_ve is not None else ve, rope)
             if i < self.n_skip:
                 skips.append(x)
             if i == self.backout_layer:
                 early = x
+            if self.mudd is not None and i in self.mudd_taps:
+                taps[i] = x
+            if self.mudd is not None and i == L - 2:
+                last_ve = self.ve_index[L - 1]
+                x, mixed_ve = self._mix_middle(x, x0, taps, ves[last_ve] if last_ve is not None else None)
         if early is not None:  # what early layers wrote for later context, not for this prediction
             x = scaled_add(x, -self.backout_lambda, early)
+        if self.mudd is not None:
+            x = self._mix_last(x, x0, taps, ves)
         x = self.norm_f(x)
         head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
         if loss_fn is not None:
@@ -443,9 +507,10 @@ class GPT(nn.Module):
         self.tied = frac < self.config.untie_at
 
     def optimizer_groups(self):
-        """Name -> group, where muon.build_optimizers's own rules would not: the gates ("gate"), and with untie_at the
-        embedding ("head": the head's LR while tied and after, as medium #18 keeps one Adam LR for both)."""
-        groups = {n: "gate" for n, _ in self.named_parameters() if n.endswith("gate.weight")}
+        """Name -> group, where muon.build_optimizers's own rules would not: the gates and MUDD's mixes ("gate": AdamW,
+        as medium PR #261 gives them Adam), and with untie_at the embedding ("head": the head's LR while tied and after,
+        as medium #18 keeps one Adam LR for both)."""
+        groups = {n: "gate" for n, _ in self.named_parameters() if n.endswith("gate.weight") or n.startswith("mudd.")}
         return groups | ({"wte.weight": "head"} if self.config.untie_at else {})
 
     @torch.no_grad()

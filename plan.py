@@ -149,6 +149,7 @@ def _shape_costs(shape_items, vocab_size, seq_len):
         "largest_param": max(p.numel() for p in model.parameters()),
         "head_shape": (model.padded_vocab, model.config.n_embd),
         "token_embedding_params": model.wte.weight.numel(),
+        "dense_mixes": len(model.mudd) if model.mudd is not None else 0,
     }
 
 
@@ -157,15 +158,19 @@ def shape_costs(shape, vocab_size, seq_len):
     return _shape_costs(tuple(sorted(shape.items())), vocab_size, seq_len)
 
 
-def memory_needed(costs, shape, micro_batch, seq_len, bf16, *, kind, world_size, tail_ema=False):
+def memory_needed(
+    costs, shape, micro_batch, seq_len, bf16, *, kind, world_size, tail_ema=False, snoo=False, smoothing=False
+):
     """Bytes one device needs: weights and optimizer state (with several ranks DDP's gradient buckets; with the tail
-    EMA, its fp32 copy of every weight but the token embedding), activations kept for backward (about 34 values x
-    width x layers per token, and the embedding lookups) and what a step holds for a moment (transient_bytes). The
-    rollback snapshots are apart (snapshot_bytes): they go to pinned host memory when the device has no room."""
+    EMA, its fp32 copy of every weight but the token embedding; extra_state_bytes), activations kept for backward
+    (about 34 values x width x layers per token, the embedding lookups, 2 per MUDD mix: its normalised input and its
+    output) and what a step holds for a moment (transient_bytes). The rollback snapshots are apart (snapshot_bytes):
+    they go to pinned host memory when the device has no room."""
     act_bytes = 2 if bf16 else 4
-    per_token = (34 * shape["n_layer"] + 2 * costs["n_tables"]) * shape["n_embd"] * act_bytes
+    per_token = (34 * shape["n_layer"] + 2 * costs["n_tables"] + 2 * costs["dense_mixes"]) * shape["n_embd"] * act_bytes
     per_param = BYTES_PER_PARAM + BUCKET_BYTES_PER_PARAM * (world_size > 1)
     state = costs["params"] * per_param + (costs["params"] - costs["token_embedding_params"]) * 4 * tail_ema
+    state += extra_state_bytes(costs, snoo, smoothing)
     return state + micro_batch * seq_len * per_token + transient_bytes(costs, micro_batch * seq_len, kind, world_size)
 
 
@@ -184,20 +189,30 @@ def transient_bytes(costs, micro_tokens, kind, world_size):
     return head + tables + exchange
 
 
-def snapshot_bytes(costs, muon):
+def extra_state_bytes(costs, snoo, smoothing):
+    """Optimizer state beyond AdamW's moments and Muon's momentum: Snoo's slow weights and outer momentum (fp32, every
+    parameter), Muon's smoothed updates (fp32, its matrices)."""
+    return costs["params"] * 8 * snoo + costs["muon_params"] * 4 * smoothing
+
+
+def snapshot_bytes(costs, muon, snoo=False, smoothing=False):
     """One rollback snapshot (rollback.Snapshot): the float32 weights and the optimizer state, two AdamW moments a
-    parameter, one momentum for Muon's matrices."""
-    return costs["params"] * (4 + 8) - (costs["muon_params"] * 4 if muon else 0)
+    parameter, one momentum for Muon's matrices, and extra_state_bytes."""
+    return (
+        costs["params"] * (4 + 8)
+        - (costs["muon_params"] * 4 if muon else 0)
+        + extra_state_bytes(costs, snoo, smoothing)
+    )
 
 
 def _micro_and_accum(
-    costs, shape, seqs, *, kind, world_size, seq_len, batch_size, micro_batch, memory_bytes, bf16, tail_ema, split=1
+    costs, shape, seqs, *, kind, world_size, seq_len, batch_size, micro_batch, memory_bytes, bf16, split=1, **held
 ):
     """(sequences per device per forward, accumulation) for seqs sequences per device per step, in at least `split`
     micro-steps where --batch_size allows."""
     if micro_batch is None:
         cap = max(1, MAX_MICRO_TOKENS[kind] // seq_len)
-        held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)
+        held = dict(kind=kind, world_size=world_size, **held)
         accum = max(math.ceil(seqs / max(cap, batch_size)), min(split, seqs // batch_size))
         # the fewest micro-steps whose micro-batch fits in memory (a plan that fits none is refused by check_plan)
         while math.ceil(seqs / accum) > batch_size and (
@@ -278,12 +293,15 @@ def _shape_plan(
     bf16,
     muon=True,
     tail_ema=False,
+    snoo=False,
+    smoothing=False,
     **micro,
 ):
     costs = shape_costs(shape, vocab_size, seq_len)
     fpt = costs["flops_per_token"]
     tokens_per_s = matmul_rate * efficiency * world_size / fpt
-    held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)  # what memory_needed counts beyond the shape
+    # what memory_needed counts beyond the shape
+    held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema, snoo=snoo, smoothing=smoothing)
     sizing = dict(seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **held, **micro)
     if STEP_HEADROOM * max_steps < RAMP_MIN_STEPS:  # too few steps to ramp over: the flat plan (launch.py says so)
         ramp_frac = 0.0
@@ -298,7 +316,7 @@ def _shape_plan(
     train_s = seconds_of_steps(steps, step_s / accum, start_accum, accum, ramp * budget_s, budget_s)
     tokens = int(train_s * tokens_per_s) if ramp else steps * tokens_per_step
     memory = memory_needed(costs, shape, micro_batch, seq_len, bf16, **held)
-    snapshots = 2 * snapshot_bytes(costs, muon)  # trusted and pending
+    snapshots = 2 * snapshot_bytes(costs, muon, snoo, smoothing)  # trusted and pending
     # rollback.Snapshot's own test: on a CUDA device with room for both twice over, else in pinned host memory
     snapshots_on_device = kind != "cuda" or memory_bytes - memory > 2 * snapshots
     return RunPlan(

@@ -4,6 +4,7 @@
     python bench/lr_sweep.py --sweep batch               # sqrt LR rule: all groups / Adam only / none, 4x batch
     python bench/lr_sweep.py --sweep width --seeds 1     # Muon LR x0.25-x2, embedding LR x0.5 / x2, widths 64-384
     python bench/lr_sweep.py --sweep near_free           # issue 45: MTP, NorMuon, the tail EMA, each and together
+    python bench/lr_sweep.py --sweep dense --steps 200   # MUDD, Snoo, update smoothing at l8w128, each and together
     python bench/lr_sweep.py --sweep record --lanes 2 --steps 100 --out runs/lr_sweep
 
 Every run is one train.py on the bench corpus (../shared/bench/setup.sh builds it) with --progress_by steps and a
@@ -46,6 +47,15 @@ NEAR_FREE = {  # the record's loss and optimizer items of issue 45, each against
 }
 
 
+DENSE = {  # the medium track's open wins, each against the default with all three off (l8w128: "the last two of 8")
+    "default": "--mudd false --snoo_lr 0 --muon_smoothing 0",
+    "mudd": "--mudd --snoo_lr 0 --muon_smoothing 0",
+    "snoo": "--mudd false --snoo_lr 0.68 --muon_smoothing 0",
+    "smoothing": "--mudd false --snoo_lr 0 --muon_smoothing 0.2",
+    "all_three": "--mudd --snoo_lr 0.68 --muon_smoothing 0.2",
+}
+
+
 def sweeps(args):
     """{sweep: {variant: (flags, seeds)}}."""
     width_lr = {}
@@ -64,6 +74,7 @@ def sweeps(args):
     record["all_record"] = f"{shape(128)} {' '.join(RECORD.values())}"
     combined = {"default": shape(128), "chosen": f"{shape(128)} {args.chosen}"}
     near_free = {name: f"{shape(128)} {flags}" for name, flags in NEAR_FREE.items()}
+    dense = {name: f"{shape(128, layers=8)} {flags}" for name, flags in DENSE.items()}
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     return {
         "width": {k: (v, seeds) for k, v in width_lr.items()},
@@ -71,6 +82,7 @@ def sweeps(args):
         "record": {k: (v, seeds) for k, v in record.items()},
         "combined": {k: (v, seeds) for k, v in combined.items()},
         "near_free": {k: (v, seeds) for k, v in near_free.items()},
+        "dense": {k: (v, seeds) for k, v in dense.items()},
     }
 
 
@@ -133,7 +145,8 @@ def table(results):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", required=True, choices=("width", "batch", "record", "combined", "near_free"))
+    sweep_names = ("width", "batch", "record", "combined", "near_free", "dense")
+    parser.add_argument("--sweep", required=True, choices=sweep_names)
     parser.add_argument("--variants", default="all", help="comma list of the sweep's variants")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps at the minimum batch (4x batch: /4)")
     parser.add_argument("--seeds", type=int, default=3)
