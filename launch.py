@@ -375,8 +375,8 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         torch._dynamo.config.optimize_ddp = False  # graphs are per block already
         lower_backward_in_forward()
         raw_model.compile_per_block()
-        for block in raw_model.blocks:  # what nn.Module.compile installed, called by block(...)
-            block._compiled_call_impl = eager_runs.wrap(block._compiled_call_impl)
+        for part in raw_model.compiled_parts():  # what nn.Module.compile installed, called by part(...)
+            part._compiled_call_impl = eager_runs.wrap(part._compiled_call_impl)
     loss_fn = compiled_head_loss(eager_runs.wrap) if hp.compile else head_loss
     model = raw_model
     if world > 1:

@@ -180,15 +180,36 @@ def rms_norm(x):
 
 class DenseMix(nn.Module):
     """MUDD's dynamic weights (Xiao et al. 2025): per token, n_out numbers from a GELU MLP on the normalised hidden
-    state (the paper normalises; the PR reads it raw). The output layer starts at zero: a mix starts as nothing."""
+    state (the paper normalises; the PR reads it raw). The output layer starts at zero: a mix starts as nothing. Its
+    own compiled graph when the blocks are compiled (compile_per_block), so its passes fuse."""
 
     def __init__(self, dim, n_out):
         super().__init__()
         self.w1 = nn.Linear(dim, MUDD_HIDDEN, bias=False)
         self.w2 = nn.Linear(MUDD_HIDDEN, n_out)
 
-    def forward(self, x):
+    def weights(self, x):
         return self.w2(F.gelu(self.w1(rms_norm(x)))) * MUDD_SCALE
+
+
+class MiddleMix(DenseMix):
+    """After block L-2: its output x, x0 and a tap mixed into the last block's input and, through its value-embedding
+    input (so the block keeps its graph), into its V, the value embedding gated per head first (1 at init)."""
+
+    def forward(self, x, x0, tap, ve):
+        w, sources = self.weights(x), (x0, tap, x)
+        if ve is not None:
+            B, T, C = ve.shape
+            gate = w[..., 6:, None] + 1.0
+            ve = mixed((ve.view(B, T, -1, C // gate.size(-2)) * gate).view(B, T, C), w[..., 3:6], sources)
+        return mixed(x, w[..., :3], sources), ve
+
+
+class LastMix(DenseMix):
+    """After block L-1: the sources mixed into the head's input."""
+
+    def forward(self, x, *sources):
+        return mixed(x, self.weights(x), sources)
 
 
 def mixed(x, weights, sources):
@@ -382,37 +403,22 @@ class GPT(nn.Module):
         self.mudd = self._dense_mixes() if cfg.mudd else None  # built last: the other weights draw as without it
 
     def _dense_mixes(self):
-        """MUDD as medium PR #261 trims it: after block L-2, its output, x0 and a tap at 3L/4 (the backout layer's) are
-        mixed into the last block's input and, with the block's value embedding, its V (through that input, so the
-        block keeps its graph), its value embedding gated per head too; after block L-1, x0, the taps at 3L/4 and L/4,
-        block L-2's output and value embedding 0 into the head's input. The PR's six per-token scalars of the last
-        block are left out (they would make it a graph of its own); backout stays its own scalar."""
+        """MUDD as medium PR #261 trims it: after block L-2 (MiddleMix) x0, a tap at 3L/4 (the backout layer's) and the
+        block's output; after block L-1 (LastMix) x0, the taps at 3L/4 and L/4, block L-2's output and value embedding
+        0. The PR's six per-token scalars of the last block are left out (they would make it a graph of its own);
+        backout stays its own scalar."""
         cfg, L = self.config, self.config.n_layer
         if L < 2:
             raise ValueError(f"config mudd needs n_layer >= 2 (it mixes into the last two blocks), got {L}")
         self.mudd_taps = (max(3 * L // 4 - 1, 0), L // 4)
         n_mid = 3 + (3 + cfg.n_head) * (self.ve_index[L - 1] is not None)
-        mixes = nn.ModuleList([DenseMix(cfg.n_embd, n_mid), DenseMix(cfg.n_embd, 4 + bool(self.value_embeds))])
+        mixes = nn.ModuleList([MiddleMix(cfg.n_embd, n_mid), LastMix(cfg.n_embd, 4 + bool(self.value_embeds))])
         with torch.no_grad():
             for mix in mixes:
                 mix.w1.weight.normal_(0.0, 0.5 / math.sqrt(cfg.n_embd))
                 mix.w2.weight.zero_()
                 mix.w2.bias.zero_()
         return mixes
-
-    def _mix_middle(self, x, x0, taps, ve):
-        """After block L-2: (the last block's input, its value embedding)."""
-        w, sources = self.mudd[0](x), (x0, taps[self.mudd_taps[0]], x)
-        taps["L-2"] = x
-        if ve is not None:
-            B, T, C = ve.shape
-            gate = w[..., 6:, None].add(1.0)  # per head, 1 at init
-            ve = mixed((ve.view(B, T, -1, C // gate.size(-2)) * gate).view(B, T, C), w[..., 3:6], sources)
-        return mixed(x, w[..., :3], sources), ve
-
-    def _mix_last(self, x, x0, taps, ves):
-        sources = [x0, taps[self.mudd_taps[0]], taps["L-2"], taps[self.mudd_taps[1]], *ves[:1]]
-        return mixed(x, self.mudd[1](x), sources)
 
     @torch.no_grad()
     def _init_weights(self):
@@ -481,12 +487,14 @@ class GPT(nn.Module):
             if self.mudd is not None and i in self.mudd_taps:
                 taps[i] = x
             if self.mudd is not None and i == L - 2:
-                last_ve = self.ve_index[L - 1]
-                x, mixed_ve = self._mix_middle(x, x0, taps, ves[last_ve] if last_ve is not None else None)
+                last_ve, taps["L-2"] = self.ve_index[L - 1], x
+                x, mixed_ve = self.mudd[0](
+                    x, x0, taps[self.mudd_taps[0]], ves[last_ve] if last_ve is not None else None
+                )
         if early is not None:  # what early layers wrote for later context, not for this prediction
             x = scaled_add(x, -self.backout_lambda, early)
         if self.mudd is not None:
-            x = self._mix_last(x, x0, taps, ves)
+            x = self.mudd[1](x, x0, taps[self.mudd_taps[0]], taps["L-2"], taps[self.mudd_taps[1]], *ves[:1])
         x = self.norm_f(x)
         head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
         if loss_fn is not None:
@@ -526,9 +534,13 @@ class GPT(nn.Module):
 
     def compile_per_block(self):
         """torch.compile each block on its own: identical blocks share one graph (one per kind: with and without
-        value embeddings), and DDP's buckets split nothing. The rest stays eager; state_dict keys stay plain."""
-        for block in self.blocks:
-            block.compile(fullgraph=True, dynamic=False)
+        value embeddings), and DDP's buckets split nothing; MUDD's two mixes a graph each. The rest stays eager;
+        state_dict keys stay plain."""
+        for module in self.compiled_parts():
+            module.compile(fullgraph=True, dynamic=False)
+
+    def compiled_parts(self):
+        return [*self.blocks, *(self.mudd if self.mudd is not None else ())]
 
     def num_params(self, non_embedding=False):
         """All parameters, or those outside the lookup tables (wte/wpe/value embeddings).

@@ -144,7 +144,8 @@ def test_a_mudd_checkpoint_loads_with_model_py_alone_at_a_longer_length(tmp_path
 
 @pytest.mark.slow
 def test_per_block_compile_with_mudd_makes_only_the_planned_graphs_and_matches_eager():
-    """The last block takes its value embedding through the same input, so no block is a graph of its own."""
+    """The last block takes its value embedding through the same input, so no block is a graph of its own; each mix
+    is one, and a second step compiles nothing."""
     torch._dynamo.reset()
     cfg = dict(n_layer=4, n_embd=32, n_head=2, zero_init_proj=False, mudd=True)
     eager_model, compiled_model = moved(build(**cfg), skip=""), moved(build(**cfg), skip="")
@@ -152,7 +153,12 @@ def test_per_block_compile_with_mudd_makes_only_the_planned_graphs_and_matches_e
     before = compiled_graphs()
     compiled_model.compile_per_block()
     compiled_loss, compiled_grads = loss_and_grads_with(compiled_model, compiled_head_loss())
-    assert compiled_graphs() - before == planned_graphs(compiled_model, 3 * 16, "cpu") == 2  # one block kind, one chunk
+    assert (
+        compiled_graphs() - before == planned_graphs(compiled_model, 3 * 16, "cpu") == 4
+    )  # a block kind, 2 mixes, a chunk
+    compiled_model.zero_grad(set_to_none=True)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        loss_and_grads_with(compiled_model, compiled_head_loss())
     assert abs(compiled_loss.item() - eager_loss.item()) < 1e-5
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, atol=1e-4, rtol=1e-3)
