@@ -141,7 +141,7 @@ class Muon(torch.optim.Optimizer):
         p -= lr * weight_decay * p * mask                            (decoupled weight decay, times the LR)
         p -= lr * d                                  (with normuon_beta2 > 0: lr * d * normuon_scale(d), NorMuon)
     with update_smoothing s > 0, NS(u) is first replaced by an EMA of it, lerp(ema, NS(u), 1 - s) ("smoothed_update",
-    fp32, the parameter's layout; mnGPT medium #13-14), kept on every rank after the exchange as NorMuon's moments.
+    in NS's dtype and the parameter's layout; mnGPT medium #13-14), kept on every rank after the exchange.
     mask is 1 everywhere, or with cautious=True only where d and p have the same sign (where the update already
     pulls the weight toward 0: "cautious weight decay", modded-nanogpt's medium track). The shape factor keeps
     the per-entry update size comparable for tall matrices. Every group also
@@ -295,17 +295,17 @@ class Muon(torch.optim.Optimizer):
         return factor
 
     def _smoothed(self, params, idx, smoothing, stack):
-        """The EMA of a batch's orthogonalised stack, one lerp over the stack: each matrix's fp32 "smoothed_update"
-        in its own layout (a tall one's viewed oriented), as NorMuon's moments are kept."""
+        """The EMA of a batch's orthogonalised stack: each matrix's "smoothed_update", in its own layout (a tall one's
+        viewed oriented) and Newton-Schulz's dtype (bf16 on CUDA, as the record keeps it), lerped in place by one
+        foreach kernel, then stacked for what follows."""
         emas = []
         for i in idx:
             state, p = self.state[params[i]], params[i]
             if "smoothed_update" not in state:
-                state["smoothed_update"] = torch.zeros_like(p, dtype=torch.float32)
+                state["smoothed_update"] = torch.zeros_like(p, dtype=stack.dtype)
             emas.append(state["smoothed_update"].mT if is_tall(p) else state["smoothed_update"])
-        smoothed = torch.stack(emas).lerp_(stack.float(), 1.0 - smoothing)
-        torch._foreach_copy_(emas, list(smoothed.unbind()))
-        return smoothed
+        torch._foreach_lerp_(emas, list(stack.unbind()), 1.0 - smoothing)
+        return torch.stack(emas)
 
     @staticmethod
     def _exchange(params, batches, owners, stacks, world_size, rank):

@@ -170,7 +170,7 @@ def memory_needed(
     per_token = (34 * shape["n_layer"] + 2 * costs["n_tables"] + 2 * costs["dense_mixes"]) * shape["n_embd"] * act_bytes
     per_param = BYTES_PER_PARAM + BUCKET_BYTES_PER_PARAM * (world_size > 1)
     state = costs["params"] * per_param + (costs["params"] - costs["token_embedding_params"]) * 4 * tail_ema
-    state += extra_state_bytes(costs, snoo, smoothing)
+    state += extra_state_bytes(costs, snoo, smoothing, kind)
     return state + micro_batch * seq_len * per_token + transient_bytes(costs, micro_batch * seq_len, kind, world_size)
 
 
@@ -189,19 +189,19 @@ def transient_bytes(costs, micro_tokens, kind, world_size):
     return head + tables + exchange
 
 
-def extra_state_bytes(costs, snoo, smoothing):
+def extra_state_bytes(costs, snoo, smoothing, kind):
     """Optimizer state beyond AdamW's moments and Muon's momentum: Snoo's slow weights and outer momentum (fp32, every
-    parameter), Muon's smoothed updates (fp32, its matrices)."""
-    return costs["params"] * 8 * snoo + costs["muon_params"] * 4 * smoothing
+    parameter), Muon's smoothed updates (its matrices, in Newton-Schulz's dtype: bf16 on CUDA)."""
+    return costs["params"] * 8 * snoo + costs["muon_params"] * (2 if kind == "cuda" else 4) * smoothing
 
 
-def snapshot_bytes(costs, muon, snoo=False, smoothing=False):
+def snapshot_bytes(costs, muon, snoo=False, smoothing=False, kind="cpu"):
     """One rollback snapshot (rollback.Snapshot): the float32 weights and the optimizer state, two AdamW moments a
     parameter, one momentum for Muon's matrices, and extra_state_bytes."""
     return (
         costs["params"] * (4 + 8)
         - (costs["muon_params"] * 4 if muon else 0)
-        + extra_state_bytes(costs, snoo, smoothing)
+        + extra_state_bytes(costs, snoo, smoothing, kind)
     )
 
 
@@ -316,7 +316,7 @@ def _shape_plan(
     train_s = seconds_of_steps(steps, step_s / accum, start_accum, accum, ramp * budget_s, budget_s)
     tokens = int(train_s * tokens_per_s) if ramp else steps * tokens_per_step
     memory = memory_needed(costs, shape, micro_batch, seq_len, bf16, **held)
-    snapshots = 2 * snapshot_bytes(costs, muon, snoo, smoothing)  # trusted and pending
+    snapshots = 2 * snapshot_bytes(costs, muon, snoo, smoothing, kind)  # trusted and pending
     # rollback.Snapshot's own test: on a CUDA device with room for both twice over, else in pinned host memory
     snapshots_on_device = kind != "cuda" or memory_bytes - memory > 2 * snapshots
     return RunPlan(
