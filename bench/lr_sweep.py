@@ -98,6 +98,7 @@ def run(name, flags, seed, args, out):
         *f"--time_limit_min 120 --max_steps {steps} --progress_by steps --batch_tokens {MIN_BATCH}".split(),
         *f"--val_eval_tokens {args.eval_tokens} --save_every_min 0 --seed {seed}".split(),
         *flags.split(),
+        *args.extra.split(),
     ]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -154,6 +155,7 @@ def main():
     parser.add_argument("--lanes", type=int, default=2, help="runs side by side, one torch thread each")
     parser.add_argument("--eval_tokens", type=int, default=32768, help="val.bin tokens of the final validation")
     parser.add_argument("--chosen", default="", help="combined sweep: the flags of the chosen recipe")
+    parser.add_argument("--extra", default="", help="flags added to every run (e.g. --log_every_s 30)")
     parser.add_argument("--corpus", default=os.environ.get("BENCH_CORPUS", str(REPO.parent / "bench_corpus")))
     parser.add_argument("--out", default="runs/lr_sweep")
     args = parser.parse_args()
