@@ -190,16 +190,16 @@ class Hyperparameters:
         at_least=0.0,
         below=1.0,
     )
-    # update smoothing: mnGPT medium #13 (0.5 -> 0.2: -80/5,690 steps), #14 (0.2, with Snoo: -100); here: not measured
+    # update smoothing: mnGPT medium #13 (0.5 -> 0.2: -80/5,690 steps), #14 (0.2, with Snoo: -100); here: SMOOTHV
     muon_smoothing: float = flag(
-        0.0,
+        0.2,
         "an EMA of Muon's orthogonalised update replaces it, this much of the old kept (0: off; 0.2: the record's)",
         at_least=0.0,
         below=1.0,
     )
-    # Snoo: mnGPT medium #12 (-60 steps of ~5,700), #14 (with smoothing: -100/5,690); here: not measured
+    # Snoo: mnGPT medium #12 (-60 steps of ~5,700), #14 (with smoothing: -100/5,690); here: SNOOV
     snoo_lr: float = flag(
-        0.0,
+        0.68,
         "Snoo: every --snoo_every steps the weights' move since the last outer step taken as a Nesterov SGD step from "
         "the slow weights at this LR (0: off; 0.68: the record's)",
         at_least=0.0,

@@ -89,8 +89,8 @@ class GPTConfig:
     untie_at: float = 0.0  # share embedding and head until this fraction of training (train.py's progress); 0: off
     # the gates' AdamW LR as a fraction of scalar_lr (muon.build_optimizers; medium #18 gives gates 0.1x)
     gate_lr_mult: float = 0.1
-    # MUDD: arXiv 2502.12170, mnGPT medium PR #261 (-470/4,740 steps); here: not measured
-    mudd: bool = False  # the last two blocks' inputs and the head's get per-token mixes of earlier outputs (DenseMix)
+    # MUDD: arXiv 2502.12170, mnGPT medium PR #261 (-470/4,740 steps); here: MUDDV; BENCHMARKS "Issue 52"
+    mudd: bool = True  # the last two blocks' inputs and the head's get per-token mixes of earlier outputs (DenseMix)
 
 
 GATE_DIM = 12  # the gates read the first dims of their input (mnGPT: 12 on the short track, 16 on the medium)
@@ -400,7 +400,8 @@ class GPT(nn.Module):
         self.norm_f = Norm(C, cfg.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(C, self.padded_vocab, bias=False)
         self._init_weights()
-        self.mudd = self._dense_mixes() if cfg.mudd else None  # built last: the other weights draw as without it
+        # built last: the other weights draw as without it; none for one layer (no block before the last to mix from)
+        self.mudd = self._dense_mixes() if cfg.mudd and cfg.n_layer >= 2 else None
 
     def _dense_mixes(self):
         """MUDD as medium PR #261 trims it: after block L-2 (MiddleMix) x0, a tap at 3L/4 (the backout layer's) and the
@@ -408,8 +409,6 @@ class GPT(nn.Module):
         0. The PR's six per-token scalars of the last block are left out (they would make it a graph of its own);
         backout stays its own scalar."""
         cfg, L = self.config, self.config.n_layer
-        if L < 2:
-            raise ValueError(f"config mudd needs n_layer >= 2 (it mixes into the last two blocks), got {L}")
         self.mudd_taps = (max(3 * L // 4 - 1, 0), L // 4)
         n_mid = 3 + (3 + cfg.n_head) * (self.ve_index[L - 1] is not None)
         mixes = nn.ModuleList([MiddleMix(cfg.n_embd, n_mid), LastMix(cfg.n_embd, 4 + bool(self.value_embeds))])
@@ -570,7 +569,7 @@ FIRST_KEYS = (
     "vocab_size seq_len n_layer n_head n_embd mlp_ratio norm pos rope_base qk_norm mlp_act logit_softcap value_embeds "
     "x0_mix resid_scale unet_skips zero_init_proj embed_norm tie_embeddings"
 ).split()
-SWITCHED_OFF = {"bigram_mult": 0.0, "ve_gate": False, "backout": False}  # the later switches on by default
+SWITCHED_OFF = {"bigram_mult": 0.0, "ve_gate": False, "backout": False, "mudd": False}  # later switches on by default
 
 
 def model_config(config: dict) -> GPTConfig:

@@ -107,7 +107,7 @@ LATER = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in FIRST_KE
 
 def test_a_checkpoint_written_before_the_record_switches_loads_with_todays_model_py(tmp_path):
     torch.manual_seed(0)
-    off = {"bigram_mult": 0.0, "ve_gate": False, "backout": False, "smear": False, "attn_gate": False}
+    off = {"bigram_mult": 0.0, "ve_gate": False, "backout": False, "smear": False, "attn_gate": False, "mudd": False}
     old = get_model({**SHAPE, **off, "zero_init_proj": False})
     old_config = {k: v for k, v in dataclasses.asdict(old.config).items() if k not in LATER}
     assert set(old_config) == set(FIRST_KEYS) and {"bigram_mult", "ve_gate", "backout"} <= set(LATER)

@@ -183,7 +183,7 @@ def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(
 
 def test_mudds_weights_and_activations_are_in_the_memory_forecast():
     shape = P.shape_config("l16w1024")
-    plain, dense = P.shape_costs(shape, 32000, 1024), P.shape_costs({**shape, "mudd": True}, 32000, 1024)
+    plain, dense = P.shape_costs({**shape, "mudd": False}, 32000, 1024), P.shape_costs(shape, 32000, 1024)
     assert (plain["dense_mixes"], dense["dense_mixes"]) == (0, 2)
     # two mixes of a 1024 -> 64 -> n map: 64 x 1024 + 65 x n each, n = 3 + 3 + 8 heads and 5 sources
     assert dense["params"] - plain["params"] == 2 * 64 * 1024 + 65 * (14 + 5)
@@ -213,7 +213,8 @@ def test_the_event_plan_counts_transients_and_says_where_the_snapshots_go(event_
     plan, _ = event_plan(model="l16w1024")
     costs = P.shape_costs(P.shape_config("l16w1024"), 32000, 1024)
     tokens = plan.micro_batch * 1024
-    before = costs["params"] * 16 + tokens * (34 * 16 + 2 * costs["n_tables"]) * 1024 * 2  # the forecast until now
+    per_token = 34 * 16 + 2 * costs["n_tables"] + 2 * costs["dense_mixes"]  # MUDD's two mixes: an input, an output
+    before = costs["params"] * 16 + tokens * per_token * 1024 * 2  # the forecast until now
     rows = P.chunk_rows(tokens, 32000, 512 << 20)
     head = 4 * rows * 32000 * 4 + (32000 + tokens) * 1024 * 4
     parts = 4 * costs["params"] + head + 4 * costs["table_params"] + 6 * 163_840_000 + 2 * costs["muon_params"]

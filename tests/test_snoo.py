@@ -94,18 +94,18 @@ def test_the_schedule_leaves_snoos_lr_and_momentum_alone():
 
 def test_the_flags_reach_the_optimizers():
     hp = config.Hyperparameters()
-    assert (hp.muon_smoothing, hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) == (0.0, 0.0, 0.37, 28)  # off
+    assert (hp.muon_smoothing, hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) == (0.2, 0.68, 0.37, 28)  # the records'
     plan = SimpleNamespace(n_layer=2, n_head=2, n_embd=32)
     flags = dict(device="cpu", compile=False, vocab_size=64, seq_len=16)
     _, model, _, optimizers = launch.build_model(
         config.Hyperparameters(**flags), plan, {}, torch.device("cpu"), 1, None
     )
-    assert len(optimizers) == 2 and optimizers[0].defaults["update_smoothing"] == 0.0
-    on = config.Hyperparameters(muon_smoothing=0.2, snoo_lr=0.68, snoo_every=7, **flags)
-    _, model, _, optimizers = launch.build_model(on, plan, {}, torch.device("cpu"), 1, None)
     muon, _, snoo = optimizers
     assert muon.defaults["update_smoothing"] == 0.2 and isinstance(snoo, Snoo)
     assert snoo.param_groups[0]["params"] == list(model.parameters())
-    assert (snoo.defaults["outer_lr"], snoo.defaults["outer_momentum"], snoo.defaults["every"]) == (0.68, 0.37, 7)
-    unused = config.overridden_flags(config.Hyperparameters(snoo_every=10))
+    assert (snoo.defaults["outer_lr"], snoo.defaults["outer_momentum"], snoo.defaults["every"]) == (0.68, 0.37, 28)
+    off = config.Hyperparameters(muon_smoothing=0.0, snoo_lr=0.0, **flags)
+    _, _, _, optimizers = launch.build_model(off, plan, {}, torch.device("cpu"), 1, None)
+    assert len(optimizers) == 2 and optimizers[0].defaults["update_smoothing"] == 0.0
+    unused = config.overridden_flags(config.Hyperparameters(snoo_lr=0.0, snoo_every=10))
     assert any("--snoo_every 10 is not used" in line for line in unused)
