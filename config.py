@@ -211,6 +211,22 @@ class Hyperparameters(Generic[Derived]):
         at_least=0.0,
         below=1.0,
     )
+    # update smoothing: mnGPT medium #13 (0.5 -> 0.2: -80/5,690 steps), #14 (0.2, with Snoo: -100); here: SMOOTHV
+    muon_smoothing: float = flag(
+        0.2,
+        "an EMA of Muon's orthogonalised update replaces it, this much of the old kept (0: off; 0.2: the record's)",
+        at_least=0.0,
+        below=1.0,
+    )
+    # Snoo: mnGPT medium #12 (-60 steps of ~5,700), #14 (with smoothing: -100/5,690); here: SNOOV
+    snoo_lr: float = flag(
+        0.68,
+        "Snoo: every --snoo_every steps the weights' move since the last outer step taken as a Nesterov SGD step from "
+        "the slow weights at this LR (0: off; 0.68: the record's)",
+        at_least=0.0,
+    )
+    snoo_momentum: float = flag(0.37, "Snoo's Nesterov momentum (0.37: the record's)", at_least=0.0, below=1.0)
+    snoo_every: int = flag(28, "inner optimizer steps between Snoo's outer steps (28: the record's)", **POSITIVE)
     muon_momentum_start: float = flag(
         0.85, "Muon momentum at the start (early gradients are noisy)", at_least=0.0, below=1.0
     )
@@ -424,5 +440,6 @@ def overridden_flags(hp):
         ),
         "world_size": not hp.dry_run and "it plans for another machine with --dry_run only; this launch's ranks train",
         "tail_ema_horizon": not hp.tail_ema and "--tail_ema 0 keeps no average",
+        **dict.fromkeys(("snoo_momentum", "snoo_every"), not hp.snoo_lr and "--snoo_lr 0 takes no outer steps"),
     }
     return [f"--{name} {getattr(hp, name)} is not used: {why}" for name, why in unused.items() if name in given and why]

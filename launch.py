@@ -292,6 +292,8 @@ def build_plan(hp, model_switches, device, world, budget_s, say):
         bf16=hp.autocast == "bf16",
         muon=hp.optimizer == "muon",
         tail_ema=hp.tail_ema > 0,
+        snoo=hp.snoo_lr > 0,
+        smoothing=hp.muon_smoothing > 0,
     )
     if table:
         say_ladder(plan, table, hp, rate, world, say)
@@ -393,14 +395,16 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
         adam_weight_decay=hp.adam_weight_decay,
         ns_coeffs=hp.ns_coeffs,
         normuon_beta2=hp.normuon_beta2,
+        update_smoothing=hp.muon_smoothing,
+        snoo=(hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) if hp.snoo_lr else None,
         tied_head=tied_head,
     )
     if hp.compile:
         torch._dynamo.config.optimize_ddp = False  # graphs are per block already
         lower_backward_in_forward()
         raw_model.compile_per_block()
-        for block in raw_model.blocks:  # what nn.Module.compile installed, called by block(...)
-            block._compiled_call_impl = eager_runs.wrap(block._compiled_call_impl)
+        for part in raw_model.compiled_parts():  # what nn.Module.compile installed, called by part(...)
+            part._compiled_call_impl = eager_runs.wrap(part._compiled_call_impl)
     loss_fn = compiled_head_loss(eager_runs.wrap) if hp.compile else head_loss
     if world == 1:
         return Model(raw_model, raw_model, loss_fn, optimizers)

@@ -89,9 +89,12 @@ class GPTConfig:
     untie_at: float = 0.0  # share embedding and head until this fraction of training (train.py's progress); 0: off
     # the gates' AdamW LR as a fraction of scalar_lr (muon.build_optimizers; medium #18 gives gates 0.1x)
     gate_lr_mult: float = 0.1
+    # MUDD: arXiv 2502.12170, mnGPT medium PR #261 (-470/4,740 steps); here: MUDDV; BENCHMARKS "Issue 52"
+    mudd: bool = True  # the last two blocks' inputs and the head's get per-token mixes of earlier outputs (DenseMix)
 
 
 GATE_DIM = 12  # the gates read the first dims of their input (mnGPT: 12 on the short track, 16 on the medium)
+MUDD_HIDDEN, MUDD_SCALE = 64, 0.2 / math.sqrt(3)  # medium PR #261's width and output scale (it slows Adam's moves)
 
 
 def bigram_hash(idx, rows):
@@ -173,6 +176,47 @@ def gate_linear(cfg, n_out, on):
 
 def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
+
+
+class DenseMix(nn.Module):
+    """MUDD's dynamic weights (Xiao et al. 2025): per token, n_out numbers from a GELU MLP on the normalised hidden
+    state (the paper normalises; the PR reads it raw). The output layer starts at zero: a mix starts as nothing. Its
+    own compiled graph when the blocks are compiled (compile_per_block), so its passes fuse."""
+
+    def __init__(self, dim, n_out):
+        super().__init__()
+        self.w1 = nn.Linear(dim, MUDD_HIDDEN, bias=False)
+        self.w2 = nn.Linear(MUDD_HIDDEN, n_out)
+
+    def weights(self, x):
+        return self.w2(F.gelu(self.w1(rms_norm(x)))) * MUDD_SCALE
+
+
+class MiddleMix(DenseMix):
+    """After block L-2: its output x, x0 and a tap mixed into the last block's input and, through its value-embedding
+    input (so the block keeps its graph), into its V, the value embedding gated per head first (1 at init)."""
+
+    def forward(self, x, x0, tap, ve):
+        w, sources = self.weights(x), (x0, tap, x)
+        if ve is not None:
+            B, T, C = ve.shape
+            gate = w[..., 6:, None] + 1.0
+            ve = mixed((ve.view(B, T, -1, C // gate.size(-2)) * gate).view(B, T, C), w[..., 3:6], sources)
+        return mixed(x, w[..., :3], sources), ve
+
+
+class LastMix(DenseMix):
+    """After block L-1: the sources mixed into the head's input."""
+
+    def forward(self, x, *sources):
+        return mixed(x, self.weights(x), sources)
+
+
+def mixed(x, weights, sources):
+    """x + sum_j weights[..., j] * sources[j]: one addcmul a source."""
+    for j, source in enumerate(sources):
+        x = torch.addcmul(x, weights[..., j : j + 1], source)
+    return x
 
 
 class ReluSquared(torch.autograd.Function):
@@ -356,6 +400,24 @@ class GPT(nn.Module):
         self.norm_f = Norm(C, cfg.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(C, self.padded_vocab, bias=False)
         self._init_weights()
+        # built last: the other weights draw as without it; none for one layer (no block before the last to mix from)
+        self.mudd = self._dense_mixes() if cfg.mudd and cfg.n_layer >= 2 else None
+
+    def _dense_mixes(self):
+        """MUDD as medium PR #261 trims it: after block L-2 (MiddleMix) x0, a tap at 3L/4 (the backout layer's) and the
+        block's output; after block L-1 (LastMix) x0, the taps at 3L/4 and L/4, block L-2's output and value embedding
+        0. The PR's six per-token scalars of the last block are left out (they would make it a graph of its own);
+        backout stays its own scalar."""
+        cfg, L = self.config, self.config.n_layer
+        self.mudd_taps = (max(3 * L // 4 - 1, 0), L // 4)
+        n_mid = 3 + (3 + cfg.n_head) * (self.ve_index[L - 1] is not None)
+        mixes = nn.ModuleList([MiddleMix(cfg.n_embd, n_mid), LastMix(cfg.n_embd, 4 + bool(self.value_embeds))])
+        with torch.no_grad():
+            for mix in mixes:
+                mix.w1.weight.normal_(0.0, 0.5 / math.sqrt(cfg.n_embd))
+                mix.w2.weight.zero_()
+                mix.w2.bias.zero_()
+        return mixes
 
     @torch.no_grad()
     def _init_weights(self):
@@ -410,19 +472,28 @@ class GPT(nn.Module):
         x0, x = x, x.clone()
         rope = self.rotary(T, idx.device) if self.rotary is not None else None
         ves = [lookup(ve, idx) for ve in self.value_embeds]
-        L, skips, early = len(self.blocks), [], None
+        L, skips, early, taps, mixed_ve = len(self.blocks), [], None, {}, None
         skip_weights = self.skip_weights.unbind() if self.n_skip else ()  # one backward op, not one per skip
         for i, block in enumerate(self.blocks):
             if i >= L - self.n_skip:
                 x = scaled_add(x, skip_weights[L - 1 - i], skips.pop())
             ve = ves[self.ve_index[i]] if self.ve_index[i] is not None else None
-            x = block(x, x0, ve, rope)
+            x = block(x, x0, mixed_ve if i == L - 1 and mixed_ve is not None else ve, rope)
             if i < self.n_skip:
                 skips.append(x)
             if i == self.backout_layer:
                 early = x
+            if self.mudd is not None and i in self.mudd_taps:
+                taps[i] = x
+            if self.mudd is not None and i == L - 2:
+                last_ve, taps["L-2"] = self.ve_index[L - 1], x
+                x, mixed_ve = self.mudd[0](
+                    x, x0, taps[self.mudd_taps[0]], ves[last_ve] if last_ve is not None else None
+                )
         if early is not None:  # what early layers wrote for later context, not for this prediction
             x = scaled_add(x, -self.backout_lambda, early)
+        if self.mudd is not None:
+            x = self.mudd[1](x, x0, taps[self.mudd_taps[0]], taps["L-2"], taps[self.mudd_taps[1]], *ves[:1])
         x = self.norm_f(x)
         head = self.lm_head.weight if self.lm_head is not None else self.wte.weight
         if loss_fn is not None:
@@ -443,9 +514,10 @@ class GPT(nn.Module):
         self.tied = frac < self.config.untie_at
 
     def optimizer_groups(self):
-        """Name -> group, where muon.build_optimizers's own rules would not: the gates ("gate"), and with untie_at the
-        embedding ("head": the head's LR while tied and after, as medium #18 keeps one Adam LR for both)."""
-        groups = {n: "gate" for n, _ in self.named_parameters() if n.endswith("gate.weight")}
+        """Name -> group, where muon.build_optimizers's own rules would not: the gates and MUDD's mixes ("gate": AdamW,
+        as medium PR #261 gives them Adam), and with untie_at the embedding ("head": the head's LR while tied and after,
+        as medium #18 keeps one Adam LR for both)."""
+        groups = {n: "gate" for n, _ in self.named_parameters() if n.endswith("gate.weight") or n.startswith("mudd.")}
         return groups | ({"wte.weight": "head"} if self.config.untie_at else {})
 
     @torch.no_grad()
@@ -461,9 +533,13 @@ class GPT(nn.Module):
 
     def compile_per_block(self):
         """torch.compile each block on its own: identical blocks share one graph (one per kind: with and without
-        value embeddings), and DDP's buckets split nothing. The rest stays eager; state_dict keys stay plain."""
-        for block in self.blocks:
-            block.compile(fullgraph=True, dynamic=False)
+        value embeddings), and DDP's buckets split nothing; MUDD's two mixes a graph each. The rest stays eager;
+        state_dict keys stay plain."""
+        for module in self.compiled_parts():
+            module.compile(fullgraph=True, dynamic=False)
+
+    def compiled_parts(self):
+        return [*self.blocks, *(self.mudd if self.mudd is not None else ())]
 
     def num_params(self, non_embedding=False):
         """All parameters, or those outside the lookup tables (wte/wpe/value embeddings).
@@ -493,7 +569,7 @@ FIRST_KEYS = (
     "vocab_size seq_len n_layer n_head n_embd mlp_ratio norm pos rope_base qk_norm mlp_act logit_softcap value_embeds "
     "x0_mix resid_scale unet_skips zero_init_proj embed_norm tie_embeddings"
 ).split()
-SWITCHED_OFF = {"bigram_mult": 0.0, "ve_gate": False, "backout": False}  # the later switches on by default
+SWITCHED_OFF = {"bigram_mult": 0.0, "ve_gate": False, "backout": False, "mudd": False}  # later switches on by default
 
 
 def model_config(config: dict) -> GPTConfig:

@@ -140,6 +140,8 @@ class Muon(torch.optim.Optimizer):
         d = sqrt(max(1, rows / cols)) * NS(u)
         p -= lr * weight_decay * p * mask                            (decoupled weight decay, times the LR)
         p -= lr * d                                  (with normuon_beta2 > 0: lr * d * normuon_scale(d), NorMuon)
+    with update_smoothing s > 0, NS(u) is first replaced by an EMA of it, lerp(ema, NS(u), 1 - s) ("smoothed_update",
+    in NS's dtype and the parameter's layout; mnGPT medium #13-14), kept on every rank after the exchange.
     mask is 1 everywhere, or with cautious=True only where d and p have the same sign (where the update already
     pulls the weight toward 0: "cautious weight decay", modded-nanogpt's medium track). The shape factor keeps
     the per-entry update size comparable for tall matrices. Every group also
@@ -158,11 +160,14 @@ class Muon(torch.optim.Optimizer):
         cautious=False,
         ns_coeffs="quintic",
         normuon_beta2=0.0,
+        update_smoothing=0.0,
     ):
         if ns_coeffs not in NS_COEFFS:
             raise ValueError(f"ns_coeffs must be one of {', '.join(NS_COEFFS)}, got {ns_coeffs!r}")
         if not 0.0 <= normuon_beta2 < 1.0:
             raise ValueError(f"normuon_beta2 must be in [0, 1) (0: off), got {normuon_beta2}")
+        if not 0.0 <= update_smoothing < 1.0:
+            raise ValueError(f"update_smoothing must be in [0, 1) (0: off), got {update_smoothing}")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -172,6 +177,7 @@ class Muon(torch.optim.Optimizer):
             cautious=cautious,
             ns_coeffs=ns_coeffs,
             normuon_beta2=normuon_beta2,
+            update_smoothing=update_smoothing,
         )
         super().__init__(params, defaults)
 
@@ -212,6 +218,8 @@ class Muon(torch.optim.Optimizer):
         updates, decays = [None] * len(params), {}
         for key, idx in batches.items():
             group = self.param_groups[key[0]]
+            if group.get("update_smoothing", 0.0):
+                stacks[key] = self._smoothed(params, idx, group["update_smoothing"], stacks[key])
             for i, update in zip(idx, self._scaled_updates(params, idx, group, stacks[key])):
                 updates[i] = update
             decays.setdefault(key[0], []).extend(idx)
@@ -285,6 +293,19 @@ class Muon(torch.optim.Optimizer):
         factor = _normuon_factor(row_norms, stacked, beta2, stack.size(reduced))
         torch._foreach_copy_(moments, list(stacked.unbind()))
         return factor
+
+    def _smoothed(self, params, idx, smoothing, stack):
+        """The EMA of a batch's orthogonalised stack: each matrix's "smoothed_update", in its own layout (a tall one's
+        viewed oriented) and Newton-Schulz's dtype (bf16 on CUDA, as the record keeps it), lerped in place by one
+        foreach kernel, then stacked for what follows."""
+        emas = []
+        for i in idx:
+            state, p = self.state[params[i]], params[i]
+            if "smoothed_update" not in state:
+                state["smoothed_update"] = torch.zeros_like(p, dtype=stack.dtype)
+            emas.append(state["smoothed_update"].mT if is_tall(p) else state["smoothed_update"])
+        torch._foreach_lerp_(emas, list(stack.unbind()), 1.0 - smoothing)
+        return torch.stack(emas)
 
     @staticmethod
     def _exchange(params, batches, owners, stacks, world_size, rank):
@@ -363,6 +384,50 @@ class CautiousAdamW(torch.optim.AdamW):
         return loss
 
 
+class Snoo(torch.optim.Optimizer):
+    """Snoo, Sparse Nesterov Outer Optimizer (mnGPT medium #12; with update smoothing #14), stepped after the others.
+    At every `every`-th step (the 1st, the every+1-th, ...: the record's count), the weights' move since the last
+    outer step is a negative gradient of Nesterov SGD from the slow weights (m: torch SGD's buffer, negated):
+        m = momentum * m + (w - slow);  w = slow + lr * ((w - slow) + momentum * m);  slow = w
+    Its LR and momentum are constant: the schedule sets groups with a "base_lr", and this one has none. State, fp32 as
+    the weights: "slow" (the weights at construction), "outer_momentum", "outer_steps"; elementwise, the same on every
+    rank, and held by a rollback snapshot as any optimizer's state."""
+
+    def __init__(self, params, lr=0.68, momentum=0.37, every=28):
+        if not (lr > 0 and 0 <= momentum < 1 and every >= 1):
+            raise ValueError(f"Snoo needs lr > 0, momentum in [0, 1) and every >= 1, got {lr}, {momentum}, {every}")
+        super().__init__(params, dict(outer_lr=lr, outer_momentum=momentum, every=int(every)))
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p].update(slow=p.detach().clone(), outer_momentum=torch.zeros_like(p), outer_steps=0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = group["params"]
+            states = [self.state[p] for p in params]
+            count = states[0]["outer_steps"]
+            for state in states:
+                state["outer_steps"] = count + 1
+            if count % group["every"]:
+                continue
+            # in place on the (fp32) weights: no transient copy of them (2.1 GB at l16w1024)
+            slow, moms = [s["slow"] for s in states], [s["outer_momentum"] for s in states]
+            torch._foreach_sub_(params, slow)
+            torch._foreach_mul_(moms, group["outer_momentum"])
+            torch._foreach_add_(moms, params)
+            torch._foreach_add_(params, moms, alpha=group["outer_momentum"])
+            torch._foreach_mul_(params, group["outer_lr"])
+            torch._foreach_add_(params, slow)
+            torch._foreach_copy_(slow, params)
+        return loss
+
+
 def build_optimizers(
     model: nn.Module,
     *,
@@ -377,6 +442,8 @@ def build_optimizers(
     adam_weight_decay=0.0,
     ns_coeffs="quintic",
     normuon_beta2=0.0,
+    update_smoothing=0.0,
+    snoo=None,
     use_muon=True,
     hidden_adamw_lr=3e-3,
     tied_head=None,
@@ -399,10 +466,35 @@ def build_optimizers(
     Embedding rows and head rows are per-token vectors, not hidden linear maps, so orthogonalising
     them is not what Muon is for. Weight decay is cautious and multiplied by the LR (Muon.step, CautiousAdamW):
     muon_weight_decay on the Muon group, adam_weight_decay on embed, head and hidden; never on scalars.
-    normuon_beta2 > 0 makes the Muon group NorMuon (normuon_scale).
+    normuon_beta2 > 0 makes the Muon group NorMuon (normuon_scale); update_smoothing > 0 smooths its orthogonalised
+    updates (Muon). snoo=(lr, momentum, every) appends a Snoo over every trainable parameter, stepped last.
     Empty AdamW groups are left out. AdamW is fused on every device: one kernel
     over all its tensors (on one CPU thread, 15 ms against 114 for the per-tensor loop over four 32K x 128 tables).
     """
+    split = split_parameters(model, tied_head)
+    if not use_muon:
+        split["hidden"] = split.pop("muon")
+    lrs = {"embed": embed_lr, "head": head_lr, "hidden": hidden_adamw_lr, "scalar": scalar_lr}
+    optimizers = [adamw_for(model, split, lrs, adam_betas, adam_eps, adam_weight_decay)]
+    if use_muon:
+        muon = Muon(
+            [dict(name="muon", params=split["muon"])],
+            lr=muon_lr,
+            momentum=muon_momentum,
+            weight_decay=muon_weight_decay,
+            cautious=True,
+            ns_coeffs=ns_coeffs,
+            normuon_beta2=normuon_beta2,
+            update_smoothing=update_smoothing,
+        )
+        optimizers.insert(0, muon)
+    if snoo is not None:
+        optimizers.append(Snoo([p for p in model.parameters() if p.requires_grad], *snoo))
+    return optimizers
+
+
+def split_parameters(model, tied_head=None):
+    """{group name: parameters} by build_optimizers's rule."""
     embedding_params = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     named = model.optimizer_groups() if hasattr(model, "optimizer_groups") else {}  # the model's own exceptions
     split = defaultdict(list)
@@ -419,35 +511,25 @@ def build_optimizers(
             split["muon"].append(p)
         else:
             split["scalar"].append(p)
+    return split
 
-    if not use_muon:
-        split["hidden"] = split.pop("muon")
+
+def adamw_for(model, split, lrs, betas, eps, weight_decay):
+    """The fused CautiousAdamW over split's AdamW groups (empty ones left out), with the model's tie hooks."""
+    gate_lr = lrs["scalar"] * getattr(getattr(model, "config", None), "gate_lr_mult", 1.0)
     adam_groups = [
         dict(name=name, params=split[name], lr=lr, base_lr=lr, cautious_wd=wd)
         for name, lr, wd in [
-            ("embed", embed_lr, adam_weight_decay),
-            ("head", head_lr, adam_weight_decay),
-            ("hidden", hidden_adamw_lr, adam_weight_decay),
-            ("scalar", scalar_lr, 0.0),
-            ("gate", scalar_lr * getattr(getattr(model, "config", None), "gate_lr_mult", 1.0), 0.0),
+            ("embed", lrs["embed"], weight_decay),
+            ("head", lrs["head"], weight_decay),
+            ("hidden", lrs["hidden"], weight_decay),
+            ("scalar", lrs["scalar"], 0.0),
+            ("gate", gate_lr, 0.0),
         ]
         if split[name]
     ]
-    adamw = CautiousAdamW(adam_groups, betas=adam_betas, eps=adam_eps, weight_decay=0.0, fused=True)
+    adamw = CautiousAdamW(adam_groups, betas=betas, eps=eps, weight_decay=0.0, fused=True)
     if hasattr(model, "tie_grads"):  # a shared embedding and head (model.py's untie_at) are stepped as one weight
         adamw.register_step_pre_hook(lambda *_: model.tie_grads())
         adamw.register_step_post_hook(lambda *_: model.sync_tied())
-    if not use_muon:
-        return [adamw]
-    return [
-        Muon(
-            [dict(name="muon", params=split["muon"])],
-            lr=muon_lr,
-            momentum=muon_momentum,
-            weight_decay=muon_weight_decay,
-            cautious=True,
-            ns_coeffs=ns_coeffs,
-            normuon_beta2=normuon_beta2,
-        ),
-        adamw,
-    ]
+    return adamw

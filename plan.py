@@ -135,6 +135,7 @@ def _shape_costs(shape_items, vocab_size, seq_len):
         "largest_param": max(p.numel() for p in model.parameters()),
         "head_shape": (model.padded_vocab, model.config.n_embd),
         "token_embedding_params": model.wte.weight.numel(),
+        "dense_mixes": len(model.mudd) if model.mudd is not None else 0,
     }
 
 
@@ -143,15 +144,19 @@ def shape_costs(shape, vocab_size, seq_len):
     return _shape_costs(tuple(sorted(shape.items())), vocab_size, seq_len)
 
 
-def memory_needed(costs, shape, micro_batch, seq_len, bf16, *, kind, world_size, tail_ema=False):
+def memory_needed(
+    costs, shape, micro_batch, seq_len, bf16, *, kind, world_size, tail_ema=False, snoo=False, smoothing=False
+):
     """Bytes one device needs: weights and optimizer state (with several ranks DDP's gradient buckets; with the tail
-    EMA, its fp32 copy of every weight but the token embedding), activations kept for backward (about 34 values x
-    width x layers per token, and the embedding lookups) and what a step holds for a moment (transient_bytes). The
-    rollback snapshots are apart (snapshot_bytes): they go to pinned host memory when the device has no room."""
+    EMA, its fp32 copy of every weight but the token embedding; extra_state_bytes), activations kept for backward
+    (about 34 values x width x layers per token, the embedding lookups, 2 per MUDD mix: its normalised input and its
+    output) and what a step holds for a moment (transient_bytes). The rollback snapshots are apart (snapshot_bytes):
+    they go to pinned host memory when the device has no room."""
     act_bytes = 2 if bf16 else 4
-    per_token = (34 * shape["n_layer"] + 2 * costs["n_tables"]) * shape["n_embd"] * act_bytes
+    per_token = (34 * shape["n_layer"] + 2 * costs["n_tables"] + 2 * costs["dense_mixes"]) * shape["n_embd"] * act_bytes
     per_param = BYTES_PER_PARAM + BUCKET_BYTES_PER_PARAM * (world_size > 1)
     state = costs["params"] * per_param + (costs["params"] - costs["token_embedding_params"]) * 4 * tail_ema
+    state += extra_state_bytes(costs, snoo, smoothing, kind)
     return state + micro_batch * seq_len * per_token + transient_bytes(costs, micro_batch * seq_len, kind, world_size)
 
 
@@ -170,20 +175,30 @@ def transient_bytes(costs, micro_tokens, kind, world_size):
     return head + tables + exchange
 
 
-def snapshot_bytes(costs, muon):
+def extra_state_bytes(costs, snoo, smoothing, kind):
+    """Optimizer state beyond AdamW's moments and Muon's momentum: Snoo's slow weights and outer momentum (fp32, every
+    parameter), Muon's smoothed updates (its matrices, in Newton-Schulz's dtype: bf16 on CUDA)."""
+    return costs["params"] * 8 * snoo + costs["muon_params"] * (2 if kind == "cuda" else 4) * smoothing
+
+
+def snapshot_bytes(costs, muon, snoo=False, smoothing=False, kind="cpu"):
     """One rollback snapshot (rollback.Snapshot): the float32 weights and the optimizer state, two AdamW moments a
-    parameter, one momentum for Muon's matrices."""
-    return costs["params"] * (4 + 8) - (costs["muon_params"] * 4 if muon else 0)
+    parameter, one momentum for Muon's matrices, and extra_state_bytes."""
+    return (
+        costs["params"] * (4 + 8)
+        - (costs["muon_params"] * 4 if muon else 0)
+        + extra_state_bytes(costs, snoo, smoothing, kind)
+    )
 
 
 def _micro_and_accum(
-    costs, shape, seqs, *, kind, world_size, seq_len, batch_size, micro_batch, memory_bytes, bf16, tail_ema, split=1
+    costs, shape, seqs, *, kind, world_size, seq_len, batch_size, micro_batch, memory_bytes, bf16, split=1, **held
 ):
     """(sequences per device per forward, accumulation) for seqs sequences per device per step, in at least `split`
     micro-steps where --batch_size allows."""
     if micro_batch is None:
         cap = max(1, MAX_MICRO_TOKENS[kind] // seq_len)
-        held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)
+        held = dict(kind=kind, world_size=world_size, **held)
         accum = max(math.ceil(seqs / max(cap, batch_size)), min(split, seqs // batch_size))
         # the fewest micro-steps whose micro-batch fits in memory (a plan that fits none is refused by check_plan)
         while math.ceil(seqs / accum) > batch_size and (
@@ -225,11 +240,13 @@ def _shape_plan(
     bf16,
     muon=True,
     tail_ema=False,
+    snoo=False,
+    smoothing=False,
     **micro,
 ):
     costs = shape_costs(shape, vocab_size, seq_len)
     tokens_per_s = matmul_rate * efficiency * world_size / costs["flops_per_token"]
-    held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema)  # what memory_needed counts beyond the shape
+    held = dict(kind=kind, world_size=world_size, tail_ema=tail_ema, snoo=snoo, smoothing=smoothing)  # beyond the shape
     sizing = dict(seq_len=seq_len, memory_bytes=memory_bytes, bf16=bf16, **held, **micro)
     micro_batch, accum, asked = _step_batches(
         costs, shape, tokens_per_s, world_size, budget_s, max_steps, batch_tokens, sizing
@@ -241,7 +258,7 @@ def _shape_plan(
     train_s = steps * unit_s * accum
     tokens = steps * tokens_per_step
     memory = memory_needed(costs, shape, micro_batch, seq_len, bf16, **held)
-    snapshots = 2 * snapshot_bytes(costs, muon)  # trusted and pending
+    snapshots = 2 * snapshot_bytes(costs, muon, snoo, smoothing, kind)  # trusted and pending
     return RunPlan(
         model=name,
         **{k: shape[k] for k in ("n_layer", "n_head", "n_embd")},

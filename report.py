@@ -76,8 +76,9 @@ def compiled_graphs():
 
 def planned_graphs(model, micro_tokens, device_type):
     """The graphs a compiled run makes in training: one per kind of block (model.compile_per_block: with and without
-    value embeddings) and the head's loss math's (headloss.compiled_head_loss)."""
-    return len({k is None for k in model.ve_index}) + chunk_graphs(micro_tokens, model.padded_vocab, device_type)
+    value embeddings), one per MUDD mix, and the head's loss math's (headloss.compiled_head_loss)."""
+    blocks = len({k is None for k in model.ve_index}) + len(model.mudd if model.mudd is not None else ())
+    return blocks + chunk_graphs(micro_tokens, model.padded_vocab, device_type)
 
 
 class MetricsFile:

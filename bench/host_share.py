@@ -106,6 +106,8 @@ def event_structure(args):
         adam_weight_decay=hp.adam_weight_decay,
         ns_coeffs=hp.ns_coeffs,
         normuon_beta2=hp.normuon_beta2,
+        update_smoothing=hp.muon_smoothing,
+        snoo=(hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) if hp.snoo_lr else None,
     )
     generator = torch.Generator().manual_seed(1)
 
@@ -117,10 +119,11 @@ def event_structure(args):
 
 
 def block_hooks(model, counter):
-    """Hooks that stop counting inside every block, forward and backward: what is left is the glue between them."""
+    """Hooks that stop counting inside every compiled part (the blocks, MUDD's mixes), forward and backward: what is
+    left is the glue between them."""
     off = (lambda *_: setattr(counter, "where", None), lambda *_: setattr(counter, "where", counter.outer))
     handles = []
-    for block in model.blocks:
+    for block in model.compiled_parts():
         handles.append(block.register_forward_pre_hook(off[0]))
         handles.append(block.register_forward_hook(off[1]))
         handles.append(block.register_full_backward_pre_hook(off[0]))
@@ -235,8 +238,8 @@ def time_compiled(args):
 
         return call
 
-    for block in model.blocks:
-        block._compiled_call_impl = counted("block", block._compiled_call_impl)
+    for part in model.compiled_parts():
+        part._compiled_call_impl = counted("block", part._compiled_call_impl)
     loss_fn = compiled_head_loss(lambda fn: counted("head chunk", fn))
     step_s, opt_s = [], []
     for step in range(args.warmup + args.steps):
@@ -254,7 +257,7 @@ def time_compiled(args):
         "step_ms": 1e3 * statistics.median(step_s),
         "optimizer_ms": 1e3 * statistics.median(opt_s),
         "micro_step_ms": 1e3 * (statistics.median(step_s) - statistics.median(opt_s)) / args.accum,
-        # one compiled backward per compiled forward that takes gradients (the blocks; the chunk math runs no_grad)
+        # one compiled backward per compiled forward that takes gradients (the blocks and mixes; the chunk math no_grad)
         "compiled_calls_per_micro": 2 * per_micro.get("block", 0) + per_micro.get("head chunk", 0),
     }
 

@@ -4,6 +4,7 @@
     python bench/lr_sweep.py --sweep batch               # sqrt LR rule: all groups / Adam only / none, 4x batch
     python bench/lr_sweep.py --sweep width --seeds 1     # Muon LR x0.25-x2, embedding LR x0.5 / x2, widths 64-384
     python bench/lr_sweep.py --sweep near_free           # NorMuon and the tail EMA, each and together
+    python bench/lr_sweep.py --sweep dense --steps 200   # MUDD, Snoo, update smoothing at l8w128, each and together
     python bench/lr_sweep.py --sweep record --lanes 2 --steps 100 --out runs/lr_sweep
 
 Every run is one train.py on the bench corpus (../shared/bench/setup.sh builds it) with --progress_by steps and a
@@ -45,6 +46,15 @@ NEAR_FREE = {  # the record's near-free optimizer items, each against the defaul
 }
 
 
+DENSE = {  # the medium track's open wins, each against the default with all three off (l8w128: "the last two of 8")
+    "default": "--mudd false --snoo_lr 0 --muon_smoothing 0",
+    "mudd": "--mudd --snoo_lr 0 --muon_smoothing 0",
+    "snoo": "--mudd false --snoo_lr 0.68 --muon_smoothing 0",
+    "smoothing": "--mudd false --snoo_lr 0 --muon_smoothing 0.2",
+    "all_three": "--mudd --snoo_lr 0.68 --muon_smoothing 0.2",
+}
+
+
 def sweeps(args):
     """{sweep: {variant: (flags, seeds)}}."""
     width_lr = {}
@@ -63,6 +73,7 @@ def sweeps(args):
     record["all_record"] = f"{shape(128)} {' '.join(RECORD.values())}"
     combined = {"default": shape(128), "chosen": f"{shape(128)} {args.chosen}"}
     near_free = {name: f"{shape(128)} {flags}" for name, flags in NEAR_FREE.items()}
+    dense = {name: f"{shape(128, layers=8)} {flags}" for name, flags in DENSE.items()}
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     return {
         "width": {k: (v, seeds) for k, v in width_lr.items()},
@@ -70,6 +81,7 @@ def sweeps(args):
         "record": {k: (v, seeds) for k, v in record.items()},
         "combined": {k: (v, seeds) for k, v in combined.items()},
         "near_free": {k: (v, seeds) for k, v in near_free.items()},
+        "dense": {k: (v, seeds) for k, v in dense.items()},
     }
 
 
@@ -85,6 +97,7 @@ def run(name, flags, seed, args, out):
         *f"--time_limit_min 120 --max_steps {steps} --progress_by steps --batch_tokens {MIN_BATCH}".split(),
         *f"--val_eval_tokens {args.eval_tokens} --save_every_min 0 --seed {seed}".split(),
         *flags.split(),
+        *args.extra.split(),
     ]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -132,7 +145,8 @@ def table(results):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", required=True, choices=("width", "batch", "record", "combined", "near_free"))
+    sweep_names = ("width", "batch", "record", "combined", "near_free", "dense")
+    parser.add_argument("--sweep", required=True, choices=sweep_names)
     parser.add_argument("--variants", default="all", help="comma list of the sweep's variants")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps at the minimum batch (4x batch: /4)")
     parser.add_argument("--seeds", type=int, default=3)
@@ -140,6 +154,7 @@ def main():
     parser.add_argument("--lanes", type=int, default=2, help="runs side by side, one torch thread each")
     parser.add_argument("--eval_tokens", type=int, default=32768, help="val.bin tokens of the final validation")
     parser.add_argument("--chosen", default="", help="combined sweep: the flags of the chosen recipe")
+    parser.add_argument("--extra", default="", help="flags added to every run (e.g. --log_every_s 30)")
     parser.add_argument("--corpus", default=os.environ.get("BENCH_CORPUS", str(REPO.parent / "bench_corpus")))
     parser.add_argument("--out", default="runs/lr_sweep")
     args = parser.parse_args()

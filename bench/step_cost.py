@@ -3,6 +3,10 @@ head, Muon + AdamW) per variant, the variants interleaved round-robin so that a 
 
     python bench/step_cost.py                                   # l4w128, T 256, micro-batch 8, vocab 32000
     python bench/step_cost.py --variants "bigram_mult=5;backout=1" --reps 15
+    python bench/step_cost.py --shape 8,128,4 --variants "normuon_beta2=0.95;normuon_beta2=0.95,snoo=1"
+
+Optimizer options beside the switches: normuon_beta2=B, update_smoothing=S (Muon), snoo=K (Snoo at the record's LR
+0.68 and momentum 0.37, an outer step every K steps; K=1: every timed step pays one, the cost of each).
 
 Prints each variant's median and minimum step time and their ratios to the first variant's (the default before the
 record's bigram table, backout and value-embedding gate, unless given).
@@ -30,16 +34,24 @@ VARIANTS = ";".join(
 )
 
 
+OPTIMIZER = {"normuon_beta2": float, "update_smoothing": float, "snoo": int}
+
+
 def parse(spec):
-    """'key=value,key=value' -> a switch dict, each value in its GPTConfig field's type ('default': none)."""
+    """'key=value,key=value' -> (model switches, optimizer options), each value in its type ('default': none)."""
     types = {f.name: f.type for f in GPTConfig.__dataclass_fields__.values()}
-    out = {}
+    switches, options = {}, {}
     for item in filter(None, spec.split(",")):
         if item == "default":
             continue
         key, value = item.split("=")
-        out[key] = bool(int(value)) if types[key] is bool else types[key](value)
-    return out
+        if key in OPTIMIZER:
+            options[key] = OPTIMIZER[key](value)
+        else:
+            switches[key] = bool(int(value)) if types[key] is bool else types[key](value)
+    if "snoo" in options:
+        options["snoo"] = (0.68, 0.37, options["snoo"])
+    return switches, options
 
 
 def main():
@@ -56,8 +68,9 @@ def main():
     runs = []
     for spec in args.variants.split(";"):
         torch.manual_seed(0)
-        model = get_model({"n_layer": L, "n_embd": C, "n_head": H, "vocab_size": 32000, "seq_len": T, **parse(spec)})
-        opts = build_optimizers(model, muon_lr=0.05, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04)
+        switches, options = parse(spec)
+        model = get_model({"n_layer": L, "n_embd": C, "n_head": H, "vocab_size": 32000, "seq_len": T, **switches})
+        opts = build_optimizers(model, muon_lr=0.05, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04, **options)
         runs.append((spec, model, opts, []))
     x = torch.randint(0, 32000, (B, T + 1), generator=torch.Generator().manual_seed(0))
     for rep in range(args.reps + 1):
@@ -72,11 +85,11 @@ def main():
                 times.append(time.perf_counter() - start)
     base = statistics.median(runs[0][3])
     best = min(runs[0][3])
-    print(f"{'variant':<30} {'params':>11} {'median ms':>9} {'ratio':>6} {'min ms':>8} {'ratio':>6}")
+    print(f"{'variant':<62} {'params':>11} {'median ms':>9} {'ratio':>6} {'min ms':>8} {'ratio':>6}")
     for spec, model, _, times in runs:  # the minimum: the step least disturbed by the machine's other work
         ms, low = statistics.median(times), min(times)
         print(
-            f"{spec:<30} {model.num_params():>11,} {1e3 * ms:9.1f} {ms / base:6.3f} {1e3 * low:8.1f} {low / best:6.3f}"
+            f"{spec:<62} {model.num_params():>11,} {1e3 * ms:9.1f} {ms / base:6.3f} {1e3 * low:8.1f} {low / best:6.3f}"
         )
 
 

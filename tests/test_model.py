@@ -176,6 +176,7 @@ ALL_OFF = dict(
     bigram_mult=0.0,
     backout=False,
     ve_gate=False,
+    mudd=False,
 )
 
 
@@ -248,7 +249,8 @@ def test_zero_init_proj_zeroes_the_output_projections_only():
     assert zeroed.state_dict().keys() == random.state_dict().keys()
     projections = [n for n, _ in zeroed.named_parameters() if n.endswith("c_proj.weight")] + ["lm_head.weight"]
     for name, p in zeroed.named_parameters():
-        if p.dim() == 2 and not name.endswith(("gate.weight", "bigram.weight")):  # zero by design, as x0_lambda
+        # zero by design, as x0_lambda: the gates, the bigram table, MUDD's output layers
+        if p.dim() == 2 and not name.endswith(("gate.weight", "bigram.weight", "w2.weight")):
             assert (p.abs().sum() == 0) == (name in projections), name
     assert all(random.get_parameter(n).abs().sum() > 0 for n in projections)
     idx = tokens(2, 16)
@@ -517,6 +519,7 @@ def test_chunk_rows_are_tiles_of_128_that_divide_the_micro_batch_when_they_can()
     assert headloss.chunk_rows(37 * 128, 32000, event_cuda) == 4096
     assert headloss.chunk_rows(1000, 32000, event_cuda) == 1000  # all rows fit in one chunk
     model = get_model({"vocab_size": 32000, "n_layer": 16, "n_head": 2, "n_embd": 32})
-    assert planned_graphs(model, 26 * 1024, "cuda") == 3  # two kinds of block, one chunk shape
-    assert planned_graphs(model, 37 * 128, "cuda") == 4  # and a ragged last chunk
-    assert planned_graphs(get_model({"vocab_size": 512, "n_layer": 2, "value_embeds": False}), 64, "cpu") == 2
+    assert planned_graphs(model, 26 * 1024, "cuda") == 5  # two kinds of block, MUDD's two mixes, one chunk shape
+    assert planned_graphs(model, 37 * 128, "cuda") == 6  # and a ragged last chunk
+    assert planned_graphs(get_model({"vocab_size": 512, "n_layer": 2, "value_embeds": False}), 64, "cpu") == 4
+    assert planned_graphs(get_model({"vocab_size": 512, "n_layer": 2, "mudd": False}), 64, "cpu") == 2

@@ -18,6 +18,7 @@ import muon  # noqa: E402
 from conftest import free_port, init_gloo  # noqa: E402
 from muon import (
     Muon,
+    Snoo,
     _assign_to_ranks,
     _newtonschulz_flops,
     build_optimizers,  # noqa: E402
@@ -93,11 +94,26 @@ def make_params(n_matrices, seed=0):
     return [nn.Parameter(torch.randn(*s, generator=g) * 0.1) for s in shapes]
 
 
-def make_muon(params, normuon_beta2=0.0):
+def make_muon(params, normuon_beta2=0.0, update_smoothing=0.0):
     half = (len(params) + 1) // 2
     groups = [dict(params=params[:half]), dict(params=params[half:], lr=0.05, weight_decay=0.1, nesterov=False)]
     groups = [g for g in groups if g["params"]]
-    return Muon(groups, lr=0.02, momentum=0.9, weight_decay=0.01, normuon_beta2=normuon_beta2)
+    return Muon(
+        groups, lr=0.02, momentum=0.9, weight_decay=0.01, normuon_beta2=normuon_beta2, update_smoothing=update_smoothing
+    )
+
+
+class Stepped(list):
+    """Muon, with Snoo stepped after it (every 2nd step: it fires at steps 1, 3 and 5 of 5) when asked."""
+
+    def __init__(self, params, normuon_beta2=0.0, update_smoothing=0.0, snoo=False):
+        super().__init__([make_muon(params, normuon_beta2, update_smoothing)])
+        if snoo:
+            self.append(Snoo(params, lr=0.68, momentum=0.37, every=2))
+
+    def step(self):
+        for opt in self:
+            opt.step()
 
 
 def set_grads(params, step):
@@ -112,17 +128,17 @@ def run_steps(params, opt, steps, first_step=0):
         opt.step()
 
 
-def reference_snapshots(n_matrices, normuon_beta2=0.0):
+def reference_snapshots(n_matrices, options):
     """Single-process parameters after 1 and after 5 steps."""
     params = make_params(n_matrices)
-    opt = make_muon(params, normuon_beta2)
+    opt = Stepped(params, **options)
     run_steps(params, opt, 1)
     after_1 = [p.detach().clone() for p in params]
     run_steps(params, opt, 4, first_step=1)
     return after_1, [p.detach().clone() for p in params]
 
 
-def gloo_worker(rank, world_size, port, normuon_beta2, cases):
+def gloo_worker(rank, world_size, port, options, cases):
     init_gloo(rank, world_size, port)
     try:
         orthogonalised = []  # how many parameters this rank ran Newton-Schulz on
@@ -135,7 +151,7 @@ def gloo_worker(rank, world_size, port, normuon_beta2, cases):
         for n_matrices, (after_1, after_5) in cases:
             orthogonalised.clear()
             params = make_params(n_matrices)
-            opt = make_muon(params, normuon_beta2)
+            opt = Stepped(params, **options)
             run_steps(params, opt, 1)
             for p, expected in zip(params, after_1):
                 assert torch.equal(p.detach(), expected)
@@ -146,15 +162,17 @@ def gloo_worker(rank, world_size, port, normuon_beta2, cases):
             work = torch.tensor([sum(orthogonalised)])
             dist.all_reduce(work)
             assert work.item() == 5 * n_matrices
-            # Parameters and optimizer state bit-identical on every rank
-            for t in [p.detach() for p in params] + [v for state in opt.state.values() for v in state.values()]:
+            # Parameters and optimizer state (Snoo's too) bit-identical on every rank
+            state = [v for o in opt for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+            for t in [p.detach() for p in params] + state:
                 everyone = [torch.empty_like(t) for _ in range(world_size)]
                 dist.all_gather(everyone, t.contiguous())
                 assert all(torch.equal(everyone[0], other) for other in everyone[1:])
-            # The state_dict is complete on every rank: a momentum buffer (and NorMuon's second moment) for every
-            # parameter.
-            kinds = {"momentum_buffer", "second_moment"} if normuon_beta2 else {"momentum_buffer"}
-            state = opt.state_dict()["state"]
+            # The state_dict is complete on every rank: a momentum buffer (and NorMuon's second moment, the smoothed
+            # update) for every parameter.
+            optional = {"second_moment": "normuon_beta2", "smoothed_update": "update_smoothing"}
+            kinds = {"momentum_buffer"} | {kind for kind, option in optional.items() if options.get(option)}
+            state = opt[0].state_dict()["state"]
             assert len(state) == n_matrices and all(set(v) == kinds for v in state.values())
     finally:
         dist.destroy_process_group()
@@ -163,13 +181,21 @@ def gloo_worker(rank, world_size, port, normuon_beta2, cases):
     os._exit(0)
 
 
+SMOOTHED_SNOO = dict(normuon_beta2=0.95, update_smoothing=0.2, snoo=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size, normuon_beta2", [(2, 0.0), (3, 0.0), (2, 0.95)])
-def test_sharded_steps_match_single_process_and_agree_across_ranks(world_size, normuon_beta2):
-    """Muon, and NorMuon (normalised after the exchange, on every rank): the same steps as one process, bit for bit."""
+@pytest.mark.parametrize(
+    "world_size, options",
+    [(2, {}), (3, {}), (2, dict(normuon_beta2=0.95)), (2, SMOOTHED_SNOO), (3, SMOOTHED_SNOO)],
+    ids=["2", "3", "2-normuon", "2-smoothed-snoo", "3-smoothed-snoo"],
+)
+def test_sharded_steps_match_single_process_and_agree_across_ranks(world_size, options):
+    """Muon, NorMuon and the smoothing (after the exchange, on every rank), Snoo (elementwise after it): the same
+    steps as one process, bit for bit."""
     # 7 matrices: more matrices than ranks; world_size - 1 matrices: a rank owns nothing.
-    cases = [(n, reference_snapshots(n, normuon_beta2)) for n in (7, world_size - 1)]
-    mp.spawn(gloo_worker, args=(world_size, free_port(), normuon_beta2, cases), nprocs=world_size)
+    cases = [(n, reference_snapshots(n, options)) for n in (7, world_size - 1)]
+    mp.spawn(gloo_worker, args=(world_size, free_port(), options, cases), nprocs=world_size)
 
 
 def test_assignment_is_balanced_for_any_world_size():

@@ -148,10 +148,11 @@ def test_matmul_rate_predicts_the_time_of_a_matmul_workload():
 # ----------------------------------------------------------------------------- memory
 
 
-@pytest.mark.parametrize("use_muon", [True, False])
-def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(use_muon):
+@pytest.mark.parametrize("use_muon, smoothed_snoo", [(True, False), (False, False), (True, True)])
+def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(use_muon, smoothed_snoo):
     """plan.snapshot_bytes, from parameter counts alone, against rollback.Snapshot's buffers after a real step of
-    the real optimizers (their state exists then); fused AdamW's step counters are the only extra bytes."""
+    the real optimizers (their state exists then; with Snoo and the smoothing, theirs too); fused AdamW's step
+    counters are the only extra bytes."""
     from muon import build_optimizers
     from rollback import Snapshot
 
@@ -159,7 +160,8 @@ def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(
     torch.manual_seed(0)
     model = get_model({"vocab_size": 512, "seq_len": 32, **shape})
     lrs = dict(muon_lr=0.02, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04)
-    optimizers = build_optimizers(model, use_muon=use_muon, **lrs)
+    extra = dict(update_smoothing=0.2, snoo=(0.68, 0.37, 28)) if smoothed_snoo else {}
+    optimizers = build_optimizers(model, use_muon=use_muon, **lrs, **extra)
     tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
     model(tokens[:, :-1], tokens[:, 1:])[1].backward()
     for opt in optimizers:
@@ -169,7 +171,27 @@ def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(
     counters = sum(s["step"].nbytes for opt in optimizers for s in opt.state.values() if torch.is_tensor(s.get("step")))
     copies = [*snapshot.weights, *(v for state in snapshot.held.values() for v in state.values() if torch.is_tensor(v))]
     held = sum(t.nbytes for t in copies)
-    assert held == P.snapshot_bytes(P.shape_costs(shape, 512, 32), muon=use_muon) + counters
+    costs = P.shape_costs(shape, 512, 32)
+    assert held == P.snapshot_bytes(costs, muon=use_muon, snoo=smoothed_snoo, smoothing=smoothed_snoo) + counters
+    if smoothed_snoo:  # and the device holds the same state beside the weights
+        kwargs = dict(micro_batch=2, seq_len=32, bf16=False, kind="cpu", world_size=1)
+        extra_bytes = P.memory_needed(costs, shape, snoo=True, smoothing=True, **kwargs) - P.memory_needed(
+            costs, shape, **kwargs
+        )
+        assert extra_bytes == 8 * costs["params"] + 4 * costs["muon_params"]
+
+
+def test_mudds_weights_and_activations_are_in_the_memory_forecast():
+    shape = P.shape_config("l16w1024")
+    plain, dense = P.shape_costs({**shape, "mudd": False}, 32000, 1024), P.shape_costs(shape, 32000, 1024)
+    assert (plain["dense_mixes"], dense["dense_mixes"]) == (0, 2)
+    # two mixes of a 1024 -> 64 -> n map: 64 x 1024 + 65 x n each, n = 3 + 3 + 8 heads and 5 sources
+    assert dense["params"] - plain["params"] == 2 * 64 * 1024 + 65 * (14 + 5)
+    kwargs = dict(micro_batch=19, seq_len=1024, bf16=True, kind="cuda", world_size=32)
+    more = P.memory_needed(dense, {**shape, "mudd": True}, **kwargs) - P.memory_needed(plain, shape, **kwargs)
+    state = (16 + 4) * (dense["params"] - plain["params"])  # weights, gradient, two moments, DDP's bucket
+    activations = 19 * 1024 * 2 * 2 * 1024 * 2  # tokens x 2 mixes x (a normalised input, an output) x width x bf16
+    assert more == state + activations
 
 
 def test_ddps_buckets_are_counted_with_several_ranks_only(event_plan):
@@ -191,7 +213,8 @@ def test_the_event_plan_counts_transients_and_says_where_the_snapshots_go(event_
     plan, _ = event_plan(model="l16w1024")
     costs = P.shape_costs(P.shape_config("l16w1024"), 32000, 1024)
     tokens = plan.micro_batch * 1024
-    before = costs["params"] * 16 + tokens * (34 * 16 + 2 * costs["n_tables"]) * 1024 * 2  # state and activations alone
+    per_token = 34 * 16 + 2 * costs["n_tables"] + 2 * costs["dense_mixes"]  # MUDD's two mixes: an input, an output
+    before = costs["params"] * 16 + tokens * per_token * 1024 * 2  # state and activations alone
     rows = P.chunk_rows(tokens, 32000, 512 << 20)
     head = 4 * rows * 32000 * 4 + (32000 + tokens) * 1024 * 4
     parts = 4 * costs["params"] + head + 4 * costs["table_params"] + 6 * 163_840_000 + 2 * costs["muon_params"]

@@ -142,8 +142,9 @@ def test_every_new_parameter_gets_a_gradient_and_gates_get_their_own_group():
     groups = {g["name"]: g for g in adamw.param_groups}
     names = {id(p): n for n, p in model.named_parameters()}
     gate_names = sorted(names[id(p)] for p in groups["gate"]["params"])
-    assert gate_names == sorted(n for n in names.values() if n.endswith("gate.weight"))
-    assert len(gate_names) == 4 + 4 + 1  # attention gates; value-embedding gates (all 4 layers get one); smear
+    assert gate_names == sorted(n for n in names.values() if n.endswith("gate.weight") or n.startswith("mudd."))
+    # attention gates; value-embedding gates (all 4 layers get one); smear; MUDD's two mixes' weights and biases
+    assert len(gate_names) == 4 + 4 + 1 + 6
     assert groups["gate"]["lr"] == pytest.approx(0.04 * model.config.gate_lr_mult)
     assert {names[id(p)] for p in groups["head"]["params"]} == {"wte.weight", "lm_head.weight"}
     assert "bigram.weight" in {names[id(p)] for p in groups["embed"]["params"]}
@@ -223,7 +224,7 @@ LATER = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in FIRST_KE
 
 def test_a_checkpoint_written_before_the_record_switches_loads_with_todays_model_py(tmp_path):
     torch.manual_seed(0)
-    off = {"bigram_mult": 0.0, "ve_gate": False, "backout": False, "smear": False, "attn_gate": False}
+    off = {"bigram_mult": 0.0, "ve_gate": False, "backout": False, "smear": False, "attn_gate": False, "mudd": False}
     old = get_model({**TINY, **off, "zero_init_proj": False})
     old_config = {k: v for k, v in dataclasses.asdict(old.config).items() if k not in LATER}
     assert set(old_config) == set(FIRST_KEYS) and {"bigram_mult", "ve_gate", "backout"} <= set(LATER)

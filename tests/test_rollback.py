@@ -121,6 +121,34 @@ def test_a_key_that_appears_after_the_snapshot_is_removed_and_a_python_number_tr
     assert muon_state["count"] == 2 and "second_moment" not in muon_state
 
 
+def test_a_rollback_restores_snoos_slow_weights_and_momentum_and_the_smoothed_updates():
+    torch.manual_seed(0)
+    model = get_model({"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 32})
+    lrs = dict(muon_lr=0.02, embed_lr=0.1, head_lr=0.01, scalar_lr=0.01)
+    optimizers = build_optimizers(model, update_smoothing=0.2, snoo=(0.68, 0.37, 2), **lrs)
+    snoo = optimizers[-1]
+    guard = R.Guard(model, optimizers, torch.device("cpu"), print)
+    train_steps(model, optimizers, 3, seed=0)  # Snoo's outer steps after steps 1 and 3
+    assert guard.maybe_snapshot(step=3, tokens=192, elapsed=31.0) and guard.diverged(4.0) is None
+    expected = [
+        {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in o.state.items()}
+        for o in optimizers
+    ]
+    weights = [p.detach().clone() for p in model.parameters()]
+    train_steps(model, optimizers, 2, seed=1)  # and after step 5: every kind of their state moves
+    moved = [s for p, s in snoo.state.items() if not torch.equal(s["slow"], expected[-1][p]["slow"])]
+    assert moved and all(s["outer_steps"] == 5 for s in snoo.state.values())
+    assert guard.roll_back(step=5, why="test", batch_factor=1.0)
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+    for opt, saved in zip(optimizers, expected):
+        for p, state in saved.items():
+            live = opt.state[p]
+            assert live.keys() == state.keys()
+            assert all(torch.equal(live[k], v) if torch.is_tensor(v) else live[k] == v for k, v in state.items())
+    kinds = {k for s in optimizers[0].state.values() for k in s} | {k for s in snoo.state.values() for k in s}
+    assert {"smoothed_update", "slow", "outer_momentum", "outer_steps"} <= kinds
+
+
 def test_each_rollback_drops_the_batch_factor_first_then_halves_the_lr_and_they_run_out():
     guard = R.Guard(*small_model_and_optimizers(), torch.device("cpu"), print)
     scales = []
