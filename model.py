@@ -10,6 +10,7 @@ Nothing here depends on the training length: RoPE is computed for whatever T arr
 
 import math
 from dataclasses import dataclass, fields
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -309,6 +310,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if ve is not None:
+            assert self.ve_lambdas is not None, "a value embedding reached a block built without one"
             ve = ve.view_as(v).type_as(v)
             if self.ve_gate is not None:  # 2 sigmoid: 1 at init, so the gate starts as the ungated sum
                 ve = ve * 2 * torch.sigmoid(self.ve_gate(x[..., :GATE_DIM]))[..., None]
@@ -385,7 +387,7 @@ class GPT(nn.Module):
         # value embeddings: table k feeds layer k and layer L-n_ve+k (modded-nanogpt uses 3 tables)
         n_ve = min(3, L // 2) if cfg.value_embeds else 0
         self.value_embeds = nn.ModuleList(nn.Embedding(self.padded_vocab, C) for _ in range(n_ve))
-        self.ve_index = [None] * L
+        self.ve_index: list[int | None] = [None] * L
         for k in range(n_ve):
             self.ve_index[k] = self.ve_index[L - n_ve + k] = k
         self.blocks = nn.ModuleList(Block(cfg, self.ve_index[i] is not None) for i in range(L))
@@ -411,18 +413,19 @@ class GPT(nn.Module):
         cfg, L = self.config, self.config.n_layer
         self.mudd_taps = (max(3 * L // 4 - 1, 0), L // 4)
         n_mid = 3 + (3 + cfg.n_head) * (self.ve_index[L - 1] is not None)
-        mixes = nn.ModuleList([MiddleMix(cfg.n_embd, n_mid), LastMix(cfg.n_embd, 4 + bool(self.value_embeds))])
+        mixes = (MiddleMix(cfg.n_embd, n_mid), LastMix(cfg.n_embd, 4 + bool(self.value_embeds)))
         with torch.no_grad():
             for mix in mixes:
                 mix.w1.weight.normal_(0.0, 0.5 / math.sqrt(cfg.n_embd))
                 mix.w2.weight.zero_()
                 mix.w2.bias.zero_()
-        return mixes
+        return nn.ModuleList(mixes)
 
     @torch.no_grad()
     def _init_weights(self):
         cfg = self.config
-        for block in self.blocks:
+        blocks = cast(list[Block], self.blocks)
+        for block in blocks:
             for m in block.modules():
                 if isinstance(m, nn.Linear):  # unit-RMS input -> O(0.5) output
                     m.weight.normal_(0.0, 0.5 / math.sqrt(m.in_features))
@@ -433,13 +436,13 @@ class GPT(nn.Module):
         self.wte.weight.normal_(0.0, 0.02 if cfg.tie_embeddings or cfg.untie_at else 1.0)
         if self.wpe is not None:
             self.wpe.weight.normal_(0.0, 0.02)
-        for ve in self.value_embeds:
+        for ve in cast(list[nn.Embedding], self.value_embeds):
             ve.weight.normal_(0.0, 0.5)  # the scale of v at init
-        gates = [g for b in self.blocks for g in (b.attn.attn_gate, b.attn.ve_gate)] + [self.smear_gate, self.bigram]
+        gates = [g for b in blocks for g in (b.attn.attn_gate, b.attn.ve_gate)] + [self.smear_gate, self.bigram]
         for g in gates:  # zero: the gates start at sigmoid 0.5 (2 sigmoid: 1), the bigram table adds nothing
             if g is not None:
                 g.weight.zero_()
-        if cfg.untie_at:  # one weight until the split: the head starts as a copy of the embedding
+        if self.lm_head is not None and cfg.untie_at:  # one weight until the split: the head starts as the embedding
             self.lm_head.weight.copy_(self.wte.weight)
         elif self.lm_head is not None:
             if cfg.zero_init_proj:
@@ -465,19 +468,23 @@ class GPT(nn.Module):
         if self.bigram is not None:
             rows = lookup(self.bigram, bigram_hash(idx, self.bigram.num_embeddings))
             x = scaled_add(x, self.bigram_lambda, rows)
-        if self.smear_gate is not None:  # position t also sees t-1's embedding, through a gate read at t
+        if self.smear_gate is not None and self.smear_lambda is not None:  # t also sees t-1's, through a gate read at t
             smear = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :GATE_DIM]))
             x = torch.cat([x[:, :1], x[:, 1:] + smear * x[:, :-1]], dim=1)
         # a copy, not an alias: compiled blocks guard on `x is x0`, and block 0 would be a graph of its own
         x0, x = x, x.clone()
         rope = self.rotary(T, idx.device) if self.rotary is not None else None
         ves = [lookup(ve, idx) for ve in self.value_embeds]
-        L, skips, early, taps, mixed_ve = len(self.blocks), [], None, {}, None
-        skip_weights = self.skip_weights.unbind() if self.n_skip else ()  # one backward op, not one per skip
+        L, early, mixed_ve = len(self.blocks), None, None
+        skips: list[torch.Tensor] = []
+        taps: dict[int | str, torch.Tensor] = {}  # MUDD's sources
+        # one backward op, not one per skip
+        skip_weights = self.skip_weights.unbind() if self.skip_weights is not None else ()
         for i, block in enumerate(self.blocks):
             if i >= L - self.n_skip:
                 x = scaled_add(x, skip_weights[L - 1 - i], skips.pop())
-            ve = ves[self.ve_index[i]] if self.ve_index[i] is not None else None
+            k = self.ve_index[i]
+            ve = ves[k] if k is not None else None
             x = block(x, x0, mixed_ve if i == L - 1 and mixed_ve is not None else ve, rope)
             if i < self.n_skip:
                 skips.append(x)
@@ -490,7 +497,7 @@ class GPT(nn.Module):
                 x, mixed_ve = self.mudd[0](
                     x, x0, taps[self.mudd_taps[0]], ves[last_ve] if last_ve is not None else None
                 )
-        if early is not None:  # what early layers wrote for later context, not for this prediction
+        if early is not None and self.backout_lambda is not None:  # early layers' writes for later context, not now
             x = scaled_add(x, -self.backout_lambda, early)
         if self.mudd is not None:
             x = self.mudd[1](x, x0, taps[self.mudd_taps[0]], taps["L-2"], taps[self.mudd_taps[1]], *ves[:1])
@@ -522,13 +529,18 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def tie_grads(self):  # AdamW's pre-step hook: while tied, one weight's gradient on the head, none on wte
-        if self.tied and self.wte.weight.grad is not None and self.lm_head.weight.grad is not None:
+        if (
+            self.tied
+            and self.lm_head is not None
+            and self.wte.weight.grad is not None
+            and self.lm_head.weight.grad is not None
+        ):
             self.lm_head.weight.grad.add_(self.wte.weight.grad)
             self.wte.weight.grad = None
 
     @torch.no_grad()
     def sync_tied(self):  # AdamW's post-step hook; the forward never reads the tie: a checkpoint is two plain weights
-        if self.tied:
+        if self.tied and self.lm_head is not None:
             self.wte.weight.copy_(self.lm_head.weight)
 
     def compile_per_block(self):
@@ -547,7 +559,9 @@ class GPT(nn.Module):
         A tied wte is counted as non-embedding: it is also the output matmul."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            tables = [ve.weight for ve in self.value_embeds] + ([self.bigram.weight] if self.bigram is not None else [])
+            tables = [ve.weight for ve in cast(list[nn.Embedding], self.value_embeds)] + (
+                [self.bigram.weight] if self.bigram is not None else []
+            )
             tables += [self.wpe.weight] if self.wpe is not None else []
             tables += [self.wte.weight] if self.lm_head is not None else []
             n -= sum(t.numel() for t in tables)

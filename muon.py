@@ -215,7 +215,8 @@ class Muon(torch.optim.Optimizer):
         if distributed:
             stacks = self._exchange(params, batches, owners, stacks, world_size, rank)
 
-        updates, decays = [None] * len(params), {}
+        updates: dict[int, torch.Tensor] = {}  # matrix -> its update
+        decays: dict[int, list[int]] = {}  # param group -> its matrices
         for key, idx in batches.items():
             group = self.param_groups[key[0]]
             if group.get("update_smoothing", 0.0):
@@ -328,7 +329,7 @@ class Muon(torch.optim.Optimizer):
         gathered = torch.empty(world_size * width, dtype=dtype, device=device)
         all_gather_flat(gathered, send)  # flat output: gloo rejects the stacked (world, width) form
         gathered = gathered.view(world_size, width)
-        flat = {}
+        flat: dict[int, torch.Tensor] = {}
         for r, share in enumerate(shares):
             flat.update(zip(share, gathered[r, : sum(sizes[r])].split(sizes[r])))
         stacked = {}
