@@ -20,7 +20,7 @@ from headloss import compiled_head_loss, head_loss
 from data import BatchLoader, TokenData, load_token_data, val_batches
 from shards import Deal
 from windows import Where, WindowSpec
-from muon import build_optimizers
+from optimizers import build_optimizers
 from plan import RunPlan, agreed_matmul_rate, device_memory, make_plan
 from config import Resolved, resolve
 from checkpoint import Checkpointer, check_room

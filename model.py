@@ -88,7 +88,7 @@ class GPTConfig:
     backout: bool = True  # subtract a learned fraction of layer 3L/4's residual before the head
     # tied, then split: mnGPT #53 (2025-12-22, at 2/3), medium #18 (its code: 1/6). Here: +0.036 at 2/3 (3 seeds)
     untie_at: float = 0.0  # share embedding and head until this fraction of training (train.py's progress); 0: off
-    # the gates' AdamW LR as a fraction of scalar_lr (muon.build_optimizers; medium #18 gives gates 0.1x)
+    # the gates' AdamW LR as a fraction of scalar_lr (optimizers.build_optimizers; medium #18 gives gates 0.1x)
     gate_lr_mult: float = 0.1
     # MUDD: arXiv 2502.12170, mnGPT medium PR #261 (-470/4,740 steps); here: MUDDV; BENCHMARKS "Issue 52"
     mudd: bool = True  # the last two blocks' inputs and the head's get per-token mixes of earlier outputs (DenseMix)
@@ -450,18 +450,13 @@ class GPT(nn.Module):
             else:
                 self.lm_head.weight.normal_(0.0, 0.02)
 
-    def forward(self, idx, targets=None, loss_fn=None):
-        """(logits, loss), loss None without targets. With loss_fn(x, head_weight, targets, logit_softcap) -> mean
-        loss (training's headloss.head_loss, which never holds the (B, T, V) logits; targets as given, (B, T), so it
-        can tell the windows apart): (None, loss). A keyword, so DDP's wrapper of forward carries it."""
-        if loss_fn is not None and targets is None:
-            raise ValueError("forward(loss_fn=...) returns the loss alone, so it needs targets")
-        B, T = idx.shape
-        cfg = self.config
+    def _embed(self, idx):
+        """The residual stream's start: token embedding (+ learned positions), normalised, bigram rows, the smear."""
+        T = idx.size(1)
         x = lookup(self.wte, idx)
         if self.wpe is not None:
-            if T > cfg.seq_len:
-                raise ValueError(f"pos='learned' supports T <= seq_len={cfg.seq_len}, got T={T}")
+            if T > self.config.seq_len:
+                raise ValueError(f"pos='learned' supports T <= seq_len={self.config.seq_len}, got T={T}")
             x = x + self.wpe(torch.arange(T, device=idx.device))
         if self.embed_norm is not None:
             x = self.embed_norm(x)
@@ -471,6 +466,17 @@ class GPT(nn.Module):
         if self.smear_gate is not None and self.smear_lambda is not None:  # t also sees t-1's, through a gate read at t
             smear = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :GATE_DIM]))
             x = torch.cat([x[:, :1], x[:, 1:] + smear * x[:, :-1]], dim=1)
+        return x
+
+    def forward(self, idx, targets=None, loss_fn=None):
+        """(logits, loss), loss None without targets. With loss_fn(x, head_weight, targets, logit_softcap) -> mean
+        loss (training's headloss.head_loss, which never holds the (B, T, V) logits; targets as given, (B, T), so it
+        can tell the windows apart): (None, loss). A keyword, so DDP's wrapper of forward carries it."""
+        if loss_fn is not None and targets is None:
+            raise ValueError("forward(loss_fn=...) returns the loss alone, so it needs targets")
+        B, T = idx.shape
+        cfg = self.config
+        x = self._embed(idx)
         # a copy, not an alias: compiled blocks guard on `x is x0`, and block 0 would be a graph of its own
         x0, x = x, x.clone()
         rope = self.rotary(T, idx.device) if self.rotary is not None else None
@@ -521,9 +527,9 @@ class GPT(nn.Module):
         self.tied = frac < self.config.untie_at
 
     def optimizer_groups(self):
-        """Name -> group, where muon.build_optimizers's own rules would not: the gates and MUDD's mixes ("gate": AdamW,
-        as medium PR #261 gives them Adam), and with untie_at the embedding ("head": the head's LR while tied and after,
-        as medium #18 keeps one Adam LR for both)."""
+        """Name -> group, where optimizers.build_optimizers's own rules would not: the gates and MUDD's mixes ("gate":
+        AdamW, as medium PR #261 gives them Adam), and with untie_at the embedding ("head": the head's LR while tied and
+        after, as medium #18 keeps one Adam LR for both)."""
         groups = {n: "gate" for n, _ in self.named_parameters() if n.endswith("gate.weight") or n.startswith("mudd.")}
         return groups | ({"wte.weight": "head"} if self.config.untie_at else {})
 

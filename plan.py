@@ -88,7 +88,7 @@ class RunPlan:
     memory_gib: float  # forecast per device, without the rollback snapshots
     fits: bool  # within the device memory
     snapshot_gib: float  # the two rollback snapshots (trusted and pending)
-    snapshots_on_device: bool  # else in pinned host memory
+    snapshots_on_device: bool  # rollback.Snapshot's test: room for both twice over on a CUDA device; else pinned host
     matmul_tflops: float  # per device: measured, or --peak_tflops for a dry run
     efficiency: float
 
@@ -118,7 +118,7 @@ def _shape_costs(shape_items, vocab_size, seq_len):
             {**dataclasses.asdict(GPTConfig()), "vocab_size": vocab_size, "seq_len": seq_len, **dict(shape_items)}
         )
     tables = [p for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()]
-    # muon.build_optimizers's rule: every matrix but the tables, the head and the ones the model names goes to Muon
+    # build_optimizers's rule: every matrix but the tables, the head and the ones the model names goes to Muon
     named = model.optimizer_groups()
     muon = [
         p
@@ -256,7 +256,6 @@ def _shape_plan(
     unit_s = step_s / accum  # a micro-step's seconds, as the clock counts them
     steps = min(max_steps, int(budget_s / (unit_s * accum)))
     train_s = steps * unit_s * accum
-    tokens = steps * tokens_per_step
     memory = memory_needed(costs, shape, micro_batch, seq_len, bf16, **held)
     snapshots = 2 * snapshot_bytes(costs, muon, snoo, smoothing, kind)  # trusted and pending
     return RunPlan(
@@ -274,13 +273,12 @@ def _shape_plan(
         min_accum=min(accum, max(1, math.ceil(MIN_TOKENS_PER_STEP[kind] / (world_size * micro_batch * seq_len)))),
         step_s=step_s,
         steps=steps,
-        tokens=tokens,
+        tokens=steps * tokens_per_step,
         train_s=train_s,
-        tokens_per_param=tokens / costs["block_params"],
+        tokens_per_param=steps * tokens_per_step / costs["block_params"],
         memory_gib=memory / 2**30,
         fits=memory <= memory_bytes,
         snapshot_gib=snapshots / 2**30,
-        # rollback.Snapshot's own test: on a CUDA device with room for both twice over, else in pinned host memory
         snapshots_on_device=kind != "cuda" or memory_bytes - memory > 2 * snapshots,
         matmul_tflops=matmul_rate / 1e12,
         efficiency=efficiency,

@@ -38,7 +38,7 @@ def set_lrs(optimizers, hp, lr_frac, momentum, step_tokens, kind, after_rollback
     and Muon's momentum; Muon's groups are the ones with a momentum."""
     for opt in optimizers:
         for group in opt.param_groups:
-            if "base_lr" not in group:  # muon.Snoo: its own constant LR
+            if "base_lr" not in group:  # optimizers.Snoo: its own constant LR
                 continue
             muon = "momentum" in group
             factor = after_rollbacks(batch_lr_scale(step_tokens, hp, kind, muon))

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from muon import Muon, all_gather_flat, _assign_to_ranks, _newtonschulz_flops, build_optimizers  # noqa: E402
+from muon import Muon, all_gather_flat, _assign_to_ranks, _newtonschulz_flops  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 
 
 def matrix_shapes(n_layer, n_embd=768):

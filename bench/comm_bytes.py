@@ -36,6 +36,7 @@ from torch.nn.parallel.distributed import _DEFAULT_BUCKET_CAP_MB, _MB_TO_BYTES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import muon
+import optimizers
 from model import get_model
 
 SHAPES = {
@@ -83,7 +84,7 @@ def ddp_buckets(params, order):
 
 def muon_width(model, world):
     """(padded width, total elements) of Muon's all_gather at this world size, read from Muon._exchange."""
-    optimizer = muon.build_optimizers(model, muon_lr=0.05, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04)[0]
+    optimizer = optimizers.build_optimizers(model, muon_lr=0.05, embed_lr=0.6, head_lr=0.008, scalar_lr=0.04)[0]
     params = [p for group in optimizer.param_groups for p in group["params"]]  # all get gradients
     owners = muon._assign_to_ranks([muon._newtonschulz_flops(p.shape) for p in params], world)
     ortho = {i: torch.empty_like(p) for i, p in enumerate(params) if owners[i] == 0}

@@ -18,7 +18,7 @@ graph is the same), and the warm-up of everything that is not compilation, alike
 A step is one forward+backward on random tokens (32K vocabulary), through the (B, T, V) logits and F.cross_entropy
 (--head logits: model(idx, targets)) or the chunked head + loss train.py uses (--head fused: model(idx, targets,
 loss_fn=head_loss)). The steady step is the median of --steps more after one untimed; tokens/s and MFU come from
-it (MFU against the GPU's published bf16 peak; none on CPU). With --optimizer, muon.build_optimizers' Muon + AdamW
+it (MFU against the GPU's published bf16 peak; none on CPU). With --optimizer, optimizers.build_optimizers' Muon + AdamW
 step after each and are timed on their own: in one process Muon orthogonalises every matrix, W times what a rank
 of W does. CUDA runs in bf16 autocast, as train.py does.
 """
@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import get_model
 from headloss import compiled_head_loss, head_loss
-from muon import build_optimizers
+from optimizers import build_optimizers
 from plan import peak_flops
 
 SHAPES = {  # l8w64: a smoke test deep enough for blocks with and without value embeddings

@@ -68,7 +68,8 @@ part 90 "CUDA paths: per-block compiled bf16 model vs eager, fused head, Muon in
 import math, sys, torch
 from model import get_model
 from headloss import compiled_head_loss
-from muon import build_optimizers, zeropower_via_newtonschulz
+from muon import zeropower_via_newtonschulz
+from optimizers import build_optimizers
 from data import BatchLoader
 from shards import Deal
 from synthetic import synthetic_tokens

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 from ranks import keep_freed_memory  # noqa: E402
 from model import get_model  # noqa: E402
 from headloss import LOSS_CHUNK_BYTES, chunk_loss, chunk_rows, functional_chunk_loss, head_loss  # noqa: E402
-from muon import build_optimizers  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 
 SHAPE = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 32000}
 # bench/speedrun.py's `starter` variant, model flags only

@@ -88,7 +88,7 @@ def event_structure(args):
     builds them from config.py's defaults, and a batch maker."""
     from config import Hyperparameters
     from model import get_model
-    from muon import build_optimizers
+    from optimizers import build_optimizers
 
     hp = Hyperparameters()
     torch.manual_seed(0)

@@ -47,7 +47,7 @@ NEAR_FREE = {  # the record's near-free optimizer items, each against the defaul
 
 
 DENSE = {  # the medium track's open wins, each against the default with all three off (l8w128: "the last two of 8")
-    "default": "--mudd false --snoo_lr 0 --muon_smoothing 0",
+    "all_off": "--mudd false --snoo_lr 0 --muon_smoothing 0",
     "mudd": "--mudd --snoo_lr 0 --muon_smoothing 0",
     "snoo": "--mudd false --snoo_lr 0.68 --muon_smoothing 0",
     "smoothing": "--mudd false --snoo_lr 0 --muon_smoothing 0.2",

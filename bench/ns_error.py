@@ -22,7 +22,8 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from model import get_model  # noqa: E402
-from muon import NS_COEFFS, Muon, build_optimizers, zeropower_via_newtonschulz  # noqa: E402
+from muon import NS_COEFFS, Muon, zeropower_via_newtonschulz  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 
 
 def real_directions(args):

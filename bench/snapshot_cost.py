@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from model import get_model  # noqa: E402
-from muon import build_optimizers  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 from plan import shape_config  # noqa: E402
 from rollback import SNAPSHOT_EVERY_S, Snapshot  # noqa: E402
 

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import GPTConfig, get_model  # noqa: E402
-from muon import build_optimizers  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 from plan import shape_config  # noqa: E402
 from resume import StateWriter, folder_bytes, load_state  # noqa: E402
 

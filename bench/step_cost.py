@@ -24,7 +24,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from model import GPTConfig, get_model  # noqa: E402
 from headloss import head_loss  # noqa: E402
-from muon import build_optimizers  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 
 BEFORE = "bigram_mult=0,backout=0,ve_gate=0"  # before the record's switches; "default": them adopted
 VARIANTS = ";".join(

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import bigram_hash, get_model, lookup  # noqa: E402
-from muon import build_optimizers, cautious_decay_  # noqa: E402
+from muon import cautious_decay_  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 
 HBM_BYTES_S = 7e12  # a B300's achievable HBM bandwidth (the review's figure), for milliseconds
 F32, BF16, BOOL = 4, 2, 1

@@ -29,7 +29,7 @@ from config import Hyperparameters  # noqa: E402
 from conftest import free_port, init_gloo  # noqa: E402
 from headloss import head_loss  # noqa: E402
 from model import get_model  # noqa: E402
-from muon import build_optimizers  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 from ranks import bf16_grad_hook  # noqa: E402
 
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from headloss import compiled_head_loss, head_loss  # noqa: E402
 from model import FIRST_KEYS, DenseMix, get_model  # noqa: E402
-from muon import build_optimizers  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 from report import compiled_graphs, planned_graphs  # noqa: E402
 
 torch.set_num_threads(1)

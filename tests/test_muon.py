@@ -15,15 +15,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import muon  # noqa: E402
+import optimizers  # noqa: E402
 from conftest import free_port, init_gloo  # noqa: E402
-from muon import (
-    Muon,
-    Snoo,
-    _assign_to_ranks,
-    _newtonschulz_flops,
-    build_optimizers,  # noqa: E402
-    zeropower_via_newtonschulz,
-)
+from muon import Muon, _assign_to_ranks, _newtonschulz_flops, zeropower_via_newtonschulz  # noqa: E402
+from optimizers import Snoo, build_optimizers  # noqa: E402
 
 torch.set_num_threads(1)  # CI has 2 cores and the gloo tests run several processes
 
@@ -246,7 +241,7 @@ def test_cautious_adamw_decays_only_where_its_update_and_the_weight_agree_in_sig
     plain, cautious = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
     opts = [
         torch.optim.AdamW([plain], lr=0.1, weight_decay=0.0),
-        muon.CautiousAdamW([dict(params=[cautious], cautious_wd=0.5)], lr=0.1, weight_decay=0.0, fused=True),
+        optimizers.CautiousAdamW([dict(params=[cautious], cautious_wd=0.5)], lr=0.1, weight_decay=0.0, fused=True),
     ]
     for p, opt in zip((plain, cautious), opts):
         p.grad = grad.clone()

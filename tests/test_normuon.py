@@ -11,7 +11,8 @@ from torch import nn
 
 import config
 import launch
-from muon import Muon, build_optimizers, normuon_scale, zeropower_via_newtonschulz
+from muon import Muon, normuon_scale, zeropower_via_newtonschulz
+from optimizers import build_optimizers
 
 torch.set_num_threads(1)
 

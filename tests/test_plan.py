@@ -153,7 +153,7 @@ def test_a_snapshot_forecast_from_the_shape_is_what_rollback_holds_after_a_step(
     """plan.snapshot_bytes, from parameter counts alone, against rollback.Snapshot's buffers after a real step of
     the real optimizers (their state exists then; with Snoo and the smoothing, theirs too); fused AdamW's step
     counters are the only extra bytes."""
-    from muon import build_optimizers
+    from optimizers import build_optimizers
     from rollback import Snapshot
 
     shape = {"n_layer": 4, "n_head": 2, "n_embd": 64}

@@ -19,7 +19,7 @@ import config  # noqa: E402
 from model import FIRST_KEYS, GPTConfig, bigram_hash, get_model  # noqa: E402
 from headloss import compiled_head_loss, head_loss  # noqa: E402
 from report import planned_graphs  # noqa: E402
-from muon import build_optimizers  # noqa: E402
+from optimizers import build_optimizers  # noqa: E402
 
 TINY = dict(n_layer=4, n_embd=32, n_head=2, vocab_size=300, seq_len=16)
 ON = dict(bigram_mult=3.0, smear=True, attn_gate=True, ve_gate=True, backout=True, untie_at=0.5)

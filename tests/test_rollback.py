@@ -13,7 +13,7 @@ import rollback as R
 from conftest import FLOOR, TINY, TRAIN, child_env, command, on_tokens, read_metrics, run_train
 from eval import load_checkpoint
 from model import get_model
-from muon import build_optimizers
+from optimizers import build_optimizers
 
 
 def small_model_and_optimizers():

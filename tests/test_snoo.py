@@ -1,4 +1,4 @@
-"""Muon's update smoothing (Muon(update_smoothing=...)) and Snoo (muon.Snoo) worked by hand, off = as before, the
+"""Muon's update smoothing (Muon(update_smoothing=...)) and Snoo (optimizers.Snoo) worked by hand, off = as before, the
 schedule leaves Snoo's LR alone, and the flags' way from config.py to the optimizers. Sharded equals one process:
 tests/test_muon.py's gloo test; a rollback restores their state: tests/test_rollback.py."""
 
@@ -11,7 +11,8 @@ from torch import nn
 
 import config
 import launch
-from muon import Muon, Snoo, zeropower_via_newtonschulz
+from muon import Muon, zeropower_via_newtonschulz
+from optimizers import Snoo
 from schedule import set_lrs
 
 torch.set_num_threads(1)

@@ -18,7 +18,8 @@ import muon
 from conftest import free_port, init_gloo
 import model as model_module
 from model import get_model
-from muon import CautiousAdamW, Muon
+from muon import Muon
+from optimizers import CautiousAdamW
 
 torch.set_num_threads(1)  # CI has 2 cores and the gloo tests run several processes
 

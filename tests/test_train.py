@@ -740,7 +740,8 @@ def test_the_loop_applies_each_rule_to_its_optimizers(rule, muon_scale):
     has a gradient (the zero-initialised head and projections pass none at first, so steps run until they do) and
     moves by its orthogonalised update plus the cautious decay that --muon_weight_decay adds."""
     from model import get_model
-    from muon import Muon, build_optimizers
+    from muon import Muon
+    from optimizers import build_optimizers
 
     hp = config.Hyperparameters(lr_rule=rule, muon_weight_decay=1.2, adam_weight_decay=0.005)
     adam_scale = 1.0 if rule == "none" else 2.0
