@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from ranks import leave_together
 
@@ -165,10 +166,11 @@ def set_rng_state(states, device):
 
 
 def _state(model, optimizers, ema_average, ema_names):
-    """The tensors torch.distributed.checkpoint saves and loads in place: the model's, the optimizers' (keyed by
-    parameter name: get_state_dict, which makes an optimizer's state if it has none yet) and the tail EMA's."""
-    model_state, optimizer_state = get_state_dict(model, optimizers)
-    state = {"model": model_state, "optim": optimizer_state}
+    """The tensors torch.distributed.checkpoint saves and loads in place: the model's, each optimizer's (keyed by
+    parameter name, which makes an optimizer's state if it has none yet; one entry an optimizer, as Snoo holds state
+    for the parameters AdamW and Muon hold too) and the tail EMA's."""
+    optim = {str(i): get_optimizer_state_dict(model, optimizer) for i, optimizer in enumerate(optimizers)}
+    state = {"model": get_model_state_dict(model), "optim": optim}
     if ema_average is not None:
         state["ema"] = dict(zip(ema_names, ema_average))
     return state
@@ -192,7 +194,9 @@ def load_state(folder, model, optimizers, ema_average, ema_names, group):
     except (Exception, CheckpointException) as e:  # the latter a BaseException: every rank's failures, gathered
         why = _first_line(e)
         raise ValueError(f"--resume: the state in {folder} cannot be read ({why}); start afresh with --resume none")
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_model_state_dict(model, state["model"])
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, state["optim"][str(i)])
 
 
 def resumed_state(hp, rank, world, device, say):

@@ -3,7 +3,7 @@ background: what the loop waits for, then until it is complete) and to load it, 
 the default optimizers after one step, in one process on this machine's disk.
 
     python bench/state_cost.py --model l4w128 --out /tmp/state_bench
-    python bench/state_cost.py --model l16w1024 --out /tmp/state_bench     # the event's shape: ~5.6 GB, minutes on CPU
+    python bench/state_cost.py --model l16w1024 --out /tmp/state_bench     # the event's shape: ~9.5 GB, minutes on CPU
 """
 
 import argparse
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from config import Hyperparameters  # noqa: E402
 from model import GPTConfig, get_model  # noqa: E402
 from optimizers import build_optimizers  # noqa: E402
 from plan import shape_config  # noqa: E402
@@ -26,20 +27,20 @@ def stepped_model(name, vocab_size=32000, seq_len=64):
     torch.manual_seed(0)
     config = {**GPTConfig().__dict__, **shape_config(name), "vocab_size": vocab_size, "seq_len": seq_len}
     model = get_model(config)
+    hp = Hyperparameters()  # the run's default optimizers, as launch.py builds them
     optimizers = build_optimizers(
         model,
-        use_muon=True,
-        hidden_adamw_lr=3e-3,
-        muon_lr=0.025,
-        embed_lr=0.6,
-        head_lr=0.008,
-        scalar_lr=0.04,
-        muon_momentum=0.85,
-        muon_weight_decay=1.2,
-        adam_weight_decay=0.005,
-        ns_coeffs="polar_express",
-        normuon_beta2=0.95,
-        tied_head=None,
+        muon_lr=hp.muon_lr,
+        embed_lr=hp.embed_lr,
+        head_lr=hp.head_lr,
+        scalar_lr=hp.scalar_lr,
+        muon_momentum=hp.muon_momentum_start,
+        muon_weight_decay=hp.muon_weight_decay,
+        adam_weight_decay=hp.adam_weight_decay,
+        ns_coeffs=hp.ns_coeffs,
+        normuon_beta2=hp.normuon_beta2,
+        update_smoothing=hp.muon_smoothing,
+        snoo=(hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) if hp.snoo_lr else None,
     )
     x = torch.randint(0, vocab_size, (1, seq_len))
     model(x, x)[1].backward()
