@@ -374,6 +374,7 @@ def restore_loop(trainer, meta, ema_average):
     for name in COUNTERS:
         setattr(trainer, name, meta[name])
     trainer.jobs = meta["jobs"]
+    trainer.log.prev_tokens = trainer.tokens  # the first row's rate: this job's tokens over this job's seconds
     trainer.clock.load_state_dict(meta["clock"])
     trainer.guard.load_state_dict(meta["guard"], trainer.step, trainer.tokens)
     trainer.ema.load_state_dict(meta["ema"], ema_average)

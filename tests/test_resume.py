@@ -83,6 +83,10 @@ def test_a_run_stopped_and_resumed_equals_the_run_that_never_stopped_bit_for_bit
     a, b = weights(tmp_path / "whole" / "checkpoint.pt"), weights(tmp_path / "twice" / "checkpoint.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [job["steps"] for job in summary["jobs"]] == [7, 9] and summary["val_loss"] == whole_summary["val_loss"]
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "twice" / "metrics.jsonl")[0]}
+    first, before = rows[8], rows[7]  # the resumed job's first row: its rate is its own step's, not the run's tokens
+    own_rate = (first["tokens"] - before["tokens"]) / (first["elapsed_s"] - before["elapsed_s"])
+    assert first["tokens_per_s"] <= 2 * own_rate
 
 
 # each job's wall JOB_S after its checks began (as SLURM_JOB_END_TIME would say), less its reserve of 3 s: ~9-12 s of
