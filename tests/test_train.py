@@ -552,8 +552,8 @@ def test_event_depth_compiles_the_planned_graphs_once_and_validation_adds_none(t
     proc = subprocess.run(command(args, 1), cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     rows, val_rows, summary = read_metrics(tmp_path / "metrics.jsonl")
-    # two kinds of block (with and without value embeddings) and one chunk shape of the head's loss math
-    assert summary["planned_graphs"] == 3 and summary["compiled_graphs"] == summary["planned_graphs"]
+    # two kinds of block (with and without value embeddings), MUDD's two mixes and one chunk shape of the head's loss
+    assert summary["planned_graphs"] == 5 and summary["compiled_graphs"] == summary["planned_graphs"]
     assert summary["grad_accum_steps"] == 2 and summary["steps"] == 40 and summary["compile_fallback"] is None
     assert len(val_rows) >= 2 and val_rows[-1]["val_loss"] == summary["val_loss"]  # periodic ones, then the final
     assert summary["val_batches"] == 8 and math.isfinite(summary["val_loss"])  # 7 of 4 windows and one of 2
