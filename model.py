@@ -73,7 +73,7 @@ class GPTConfig:
     embed_norm: bool = True  # RMS-normalise the embedding so its scale is not a free knob
     # tying: Press & Wolf 2017, arXiv:1608.05859; mnGPT #8 untied them. Here: tied +0.003
     tie_embeddings: bool = False  # untied is better in speedruns; tied halves embedding params
-    # --- later short-track wins (issue 37). "Here": at 100 steps x 2,048 tokens, l4w128, val loss with the switch on
+    # --- later short-track wins. "Here": at 100 steps x 2,048 tokens, l4w128, val loss with the switch on
     # minus without, same seed (BENCHMARKS.md, "The current record's model"); "medium #N": the medium track's table ---
     # bigram hash embedding: mnGPT #62 (2026-01-19, 7.5 x vocab rows; not in medium #18). Here: -0.056 (3 seeds, all
     # wins); with backout and the value-embedding gate, the adopted set: -0.062 (3 seeds, all wins)
@@ -90,7 +90,8 @@ class GPTConfig:
     untie_at: float = 0.0  # share embedding and head until this fraction of training (train.py's progress); 0: off
     # the gates' AdamW LR as a fraction of scalar_lr (optimizers.build_optimizers; medium #18 gives gates 0.1x)
     gate_lr_mult: float = 0.1
-    # MUDD: arXiv 2502.12170, mnGPT medium PR #261 (-470/4,740 steps); here: MUDDV; BENCHMARKS "Issue 52"
+    # MUDD: Xiao et al. 2025, arXiv:2502.12170; mnGPT medium PR #261 (-470 of 4,740 steps). Here: +0.0004 at 200 steps
+    # of l8w128 (3 seeds; a tie the record carries; BENCHMARKS.md, "MUDD, Snoo and update smoothing")
     mudd: bool = True  # the last two blocks' inputs and the head's get per-token mixes of earlier outputs (DenseMix)
 
 
