@@ -20,7 +20,7 @@ from headloss import compiled_head_loss, head_loss
 from data import BatchLoader, TokenData, load_token_data, val_batches
 from shards import Deal
 from windows import Where, WindowSpec
-from optimizers import build_optimizers
+from optimizers import optimizers_for_run
 from plan import RunPlan, agreed_matmul_rate, device_memory, make_plan
 from config import Resolved, resolve
 from checkpoint import Checkpointer, check_room
@@ -382,23 +382,7 @@ def build_model(hp, plan, model_switches, device, world, eager_runs):
     with torch.device(device):  # built where it trains: no CPU init of 529M parameters and copy (on CPU: as before)
         raw_model = get_model(model_dict(hp, plan, model_switches))
     tied_head = raw_model.wte.weight if raw_model.config.tie_embeddings else None
-    optimizers = build_optimizers(
-        raw_model,
-        use_muon=hp.optimizer == "muon",
-        hidden_adamw_lr=hp.adamw_lr,
-        muon_lr=hp.muon_lr,
-        embed_lr=hp.embed_lr,
-        head_lr=hp.head_lr,
-        scalar_lr=hp.scalar_lr,
-        muon_momentum=hp.muon_momentum_start,
-        muon_weight_decay=hp.muon_weight_decay,
-        adam_weight_decay=hp.adam_weight_decay,
-        ns_coeffs=hp.ns_coeffs,
-        normuon_beta2=hp.normuon_beta2,
-        update_smoothing=hp.muon_smoothing,
-        snoo=(hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) if hp.snoo_lr else None,
-        tied_head=tied_head,
-    )
+    optimizers = optimizers_for_run(raw_model, hp, tied_head)
     if hp.compile:
         torch._dynamo.config.optimize_ddp = False  # graphs are per block already
         lower_backward_in_forward()

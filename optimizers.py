@@ -122,6 +122,27 @@ def build_optimizers(
     return optimizers
 
 
+def optimizers_for_run(model, hp, tied_head=None):
+    """build_optimizers with a run's flags (config.Hyperparameters): what train.py and the benchmarks step."""
+    return build_optimizers(
+        model,
+        use_muon=hp.optimizer == "muon",
+        hidden_adamw_lr=hp.adamw_lr,
+        muon_lr=hp.muon_lr,
+        embed_lr=hp.embed_lr,
+        head_lr=hp.head_lr,
+        scalar_lr=hp.scalar_lr,
+        muon_momentum=hp.muon_momentum_start,
+        muon_weight_decay=hp.muon_weight_decay,
+        adam_weight_decay=hp.adam_weight_decay,
+        ns_coeffs=hp.ns_coeffs,
+        normuon_beta2=hp.normuon_beta2,
+        update_smoothing=hp.muon_smoothing,
+        snoo=(hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) if hp.snoo_lr else None,
+        tied_head=tied_head,
+    )
+
+
 def split_parameters(model, tied_head=None):
     """{group name: parameters}. The rule, first match wins, each parameter once (a tied weight counts once):
       1. tied_head (an embedding that is also the output head:   -> AdamW "head"   (lr=head_lr)

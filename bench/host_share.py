@@ -88,27 +88,14 @@ def event_structure(args):
     builds them from config.py's defaults, and a batch maker."""
     from config import Hyperparameters
     from model import get_model
-    from optimizers import build_optimizers
+    from optimizers import optimizers_for_run
 
     hp = Hyperparameters()
     torch.manual_seed(0)
     model = get_model(
         {"vocab_size": args.vocab, "n_layer": 16, "n_head": 2, "n_embd": args.width, "seq_len": args.seq_len}
     )
-    optimizers = build_optimizers(
-        model,
-        muon_lr=hp.muon_lr,
-        embed_lr=hp.embed_lr,
-        head_lr=hp.head_lr,
-        scalar_lr=hp.scalar_lr,
-        muon_momentum=hp.muon_momentum_start,
-        muon_weight_decay=hp.muon_weight_decay,
-        adam_weight_decay=hp.adam_weight_decay,
-        ns_coeffs=hp.ns_coeffs,
-        normuon_beta2=hp.normuon_beta2,
-        update_smoothing=hp.muon_smoothing,
-        snoo=(hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) if hp.snoo_lr else None,
-    )
+    optimizers = optimizers_for_run(model, hp)
     generator = torch.Generator().manual_seed(1)
 
     def batch():

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import Hyperparameters  # noqa: E402
 from model import GPTConfig, get_model  # noqa: E402
-from optimizers import build_optimizers  # noqa: E402
+from optimizers import optimizers_for_run  # noqa: E402
 from plan import shape_config  # noqa: E402
 from resume import StateWriter, folder_bytes, load_state  # noqa: E402
 
@@ -28,20 +28,7 @@ def stepped_model(name, vocab_size=32000, seq_len=64):
     config = {**GPTConfig().__dict__, **shape_config(name), "vocab_size": vocab_size, "seq_len": seq_len}
     model = get_model(config)
     hp = Hyperparameters()  # the run's default optimizers, as launch.py builds them
-    optimizers = build_optimizers(
-        model,
-        muon_lr=hp.muon_lr,
-        embed_lr=hp.embed_lr,
-        head_lr=hp.head_lr,
-        scalar_lr=hp.scalar_lr,
-        muon_momentum=hp.muon_momentum_start,
-        muon_weight_decay=hp.muon_weight_decay,
-        adam_weight_decay=hp.adam_weight_decay,
-        ns_coeffs=hp.ns_coeffs,
-        normuon_beta2=hp.normuon_beta2,
-        update_smoothing=hp.muon_smoothing,
-        snoo=(hp.snoo_lr, hp.snoo_momentum, hp.snoo_every) if hp.snoo_lr else None,
-    )
+    optimizers = optimizers_for_run(model, hp)
     x = torch.randint(0, vocab_size, (1, seq_len))
     model(x, x)[1].backward()
     for opt in optimizers:
